@@ -1,0 +1,32 @@
+# Every target creates .venv on first use. Python >= 3.11.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+JOBS ?= 2
+
+.PHONY: demo test bench lint fmt clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,experiments,notebooks,lint]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m experiments demo --quick --out out
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n $(JOBS) tests
+
+bench: $(STAMP)
+	$(PY) -m experiments all --out out
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check paged_jax pallas_kernels experiments tests
+
+fmt: $(STAMP)
+	$(VENV)/bin/ruff format paged_jax pallas_kernels experiments tests
+
+clean:
+	rm -rf $(VENV) out .pytest_cache .hypothesis

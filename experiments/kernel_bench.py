@@ -1,0 +1,571 @@
+"""Benchmark of the Pallas paged-attention decode kernel on one GPU.
+
+    python experiments/kernel_bench.py [--quick] [--out DIR] [--budget-s S]
+
+1. Correctness first: our decode kernel vs the float32 jnp reference (random permuted
+   tables, mixed lengths incl. 0 and block multiples), vs JAX's shipped
+   ``jax.experimental.pallas.ops.gpu.paged_attention``, a float32 run, and the chunk
+   (multi-query) kernel vs its reference.
+2. Device copy bandwidth (a large on-device copy), the yardstick for a memory-bound kernel.
+3. Timing (median over repetitions of back-to-back calls after warm-up, with
+   ``block_until_ready`` and ``time.perf_counter``) of
+     ours       - pallas_kernels.paged_attention (small tuning sweep, auto num_splits),
+     shipped    - jax.experimental.pallas.ops.gpu.paged_attention (small sweep too),
+     xla_ref    - paged_attention_reference (gather + fp32 softmax, plain XLA),
+     contiguous - the same attention on contiguous [batch, kv, ctx, D] K/V: XLA einsum
+                  and JAX's Triton decode_attention kernel; the faster one counts,
+   for bf16, head_dim 128, 32 q heads over 4 kv heads, every row at full context.  The
+   sweep is batch {1, 8, 64, 256} x context {512, 4096, 32768} at block size 16, then
+   block sizes {8, 32, 64, 128} at a few (batch, context) points, in priority order under
+   a wall-clock budget; configs that do not fit memory or time are listed as skipped.
+4. A table (us, GB/s of KV bytes read, % of copy bandwidth, speedup vs shipped,
+   paged/contiguous) and DIR/kernel_bench.json with a "headline" object.
+
+``--quick`` (and any run without a GPU) runs a tiny interpret-mode smoke of the same code
+path (< 30 s on CPU).  Importable: ``main(argv) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# Runnable as a plain script from a checkout without an install: put the repo root first.
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_kernels.paged_attention import (  # noqa: E402
+    default_blocks_per_step,
+    default_num_splits,
+    paged_attention,
+    paged_attention_reference,
+)
+from pallas_kernels.paged_attention_chunk import (  # noqa: E402
+    paged_attention_chunk,
+    paged_attention_chunk_reference,
+)
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 4, 128
+DTYPE = jnp.bfloat16
+
+
+# ----------------------------------------------------------------------------- setup
+@dataclasses.dataclass
+class Env:
+    interpret: bool  # no GPU: run every Pallas kernel in the interpreter
+    num_sms: int
+    mem_limit: int  # bytes we allow ourselves on the device
+    device: str
+    reps: int = 7  # timing repetitions (median taken)
+    target_s: float = 0.02  # length of one repetition
+
+
+def detect_env() -> Env:
+    dev = jax.devices()[0]
+    gpu = dev.platform == "gpu"
+    mem = 0
+    try:
+        mem = int((dev.memory_stats() or {}).get("bytes_limit", 0))
+    except Exception:  # memory_stats is optional per backend
+        mem = 0
+    if not mem:
+        mem = 8 << 30
+    return Env(
+        interpret=not gpu,
+        num_sms=int(getattr(dev, "core_count", 0) or 132),
+        mem_limit=int(mem * 0.8),
+        device=f"{dev.platform}:{getattr(dev, 'device_kind', '?')}",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    batch: int
+    context: int
+    block_size: int
+
+    @property
+    def pages_per_seq(self) -> int:
+        return self.context // self.block_size
+
+    @property
+    def kv_bytes(self) -> int:
+        """K + V bytes one call must read (every row at full context)."""
+        return 2 * self.batch * self.context * NUM_KV_HEADS * HEAD_DIM * jnp.dtype(DTYPE).itemsize
+
+
+def make_inputs(key, shape: Shape, *, lengths=None, free_blocks: int = 8, dtype=DTYPE):
+    """Random pool with a randomly permuted block table (the worst case for locality).
+
+    Tables are full (no -1) because JAX's shipped kernel does not clamp ids.
+    """
+    kq, kk, kv, kp = jax.random.split(key, 4)
+    nb = shape.batch * shape.pages_per_seq + free_blocks
+    pages = (NUM_KV_HEADS, nb, shape.block_size, HEAD_DIM)
+    k_pages = jax.random.normal(kk, pages, dtype)
+    v_pages = jax.random.normal(kv, pages, dtype)
+    perm = jax.random.permutation(kp, nb)[: shape.batch * shape.pages_per_seq]
+    tables = perm.reshape(shape.batch, shape.pages_per_seq).astype(jnp.int32)
+    q = jax.random.normal(kq, (shape.batch, NUM_Q_HEADS, HEAD_DIM), dtype)
+    if lengths is None:
+        lengths = jnp.full((shape.batch,), shape.context, jnp.int32)
+    return q, k_pages, v_pages, tables, jnp.asarray(lengths, jnp.int32)
+
+
+@jax.jit
+def to_contiguous(pages, tables):
+    """[kv, nb, bs, D] x [b, W] -> [b, kv, W*bs, D] (the contiguous baseline's layout)."""
+    g = pages[:, tables]  # [kv, b, W, bs, D]
+    kvh, b, w, bs, d = g.shape
+    return jnp.moveaxis(g, 0, 1).reshape(b, kvh, w * bs, d)
+
+
+@jax.jit
+def contiguous_xla(q, k, v):
+    """Plain XLA decode attention over contiguous K/V [b, kv, S, D] (bf16 in, f32 acc)."""
+    b, hq, d = q.shape
+    kvh = k.shape[1]
+    qg = q.reshape(b, kvh, hq // kvh, d)
+    s = jnp.einsum("bkgd,bksd->bkgs", qg, k, preferred_element_type=jnp.float32) * d**-0.5
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgs,bksd->bkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(b, hq, d).astype(q.dtype)
+
+
+def contiguous_pallas_fn(context: int, interpret: bool):
+    """JAX's Triton decode_attention kernel on [b, kv, S, D] (no transpose), or None.
+
+    ``decode_attention.gqa`` wants [b, S, kv, D] and would transpose inside the timed
+    call, so vmap its per-(sequence, kv head) function directly; that is internal API, so
+    any failure just drops this baseline.
+    """
+    try:
+        from jax.experimental.pallas.ops.gpu import decode_attention as da
+    except Exception:
+        return None
+    k_splits = max(1, min(16, context // 256))
+    block_k = min(128, context // k_splits)
+    inner = functools.partial(
+        da.decode_attn_unbatched,
+        sm_scale=HEAD_DIM**-0.5,
+        block_h=16,
+        block_k=block_k,
+        k_splits=k_splits,
+        num_warps=4,
+        num_stages=2,
+        grid=None,
+        interpret=interpret,
+        debug=False,
+        return_residuals=False,
+        normalize_output=True,
+    )
+
+    @jax.jit
+    def fn(q, k, v):
+        b, hq, d = q.shape
+        kvh = k.shape[1]
+        qg = q.reshape(b, kvh, hq // kvh, d)
+        o = jax.vmap(jax.vmap(inner))(qg, k, v, None, None)
+        return o.reshape(b, hq, d)
+
+    return fn
+
+
+def shipped_fn():
+    try:
+        from jax.experimental.pallas.ops.gpu import paged_attention as shipped
+    except Exception:
+        return None
+    return shipped.paged_attention
+
+
+# ---------------------------------------------------------------------------- timing
+def time_fn(fn, *args, target_s: float = 0.02, reps: int = 7) -> float:
+    """Median seconds per call: `reps` repetitions of n back-to-back calls after warm-up.
+
+    n is chosen so one repetition lasts ~target_s, which amortises Python dispatch for
+    the microsecond-scale configs (the result still includes dispatch when it dominates).
+    """
+    jax.block_until_ready(fn(*args))  # compile
+    t0 = time.perf_counter()
+    for _ in range(3):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    one = (time.perf_counter() - t0) / 3
+    n = int(min(200, max(1, target_s / max(one, 1e-7))))
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / n)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(env: Env, nbytes: int) -> float:
+    """Bytes moved per second (read + write) by a large on-device copy."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    copy = jax.jit(lambda a: a * 1.0001)  # a real elementwise pass, not an alias
+    t = time_fn(copy, x, target_s=max(env.target_s, 0.05 if not env.interpret else 0.0), reps=env.reps)
+    del x
+    return 2 * nbytes / t
+
+
+# ---------------------------------------------------------------------- correctness
+def max_rel_err(out, ref) -> float:
+    """max |out - ref| / max |ref|; inf for non-finite output or an all-zero reference."""
+    out = np.asarray(jnp.asarray(out, jnp.float32))
+    ref = np.asarray(jnp.asarray(ref, jnp.float32))
+    if not np.isfinite(out).all() or not np.abs(ref).max(initial=0) > 0:
+        return float("inf")
+    return float(np.max(np.abs(out - ref)) / max(1e-6, float(np.max(np.abs(ref)))))
+
+
+def check_correctness(env: Env, shape: Shape, quick: bool) -> list[dict]:
+    """Each check: name, max error relative to the output's max |value|, tolerance, ok.
+
+    Uses the same shapes and static settings as the first timed config, so in --quick mode
+    the compilations are shared with the timing run.
+    """
+    results = []
+    cap = shape.context
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, cap + 1, size=shape.batch)
+    lengths[:4] = [0, 1, shape.block_size, cap][: shape.batch]
+    args = make_inputs(jax.random.PRNGKey(0), shape, lengths=lengths)
+    q, kp, vp, bt, ln = args
+    cfg = our_candidates(shape, env, tune=False)[0]
+    ours = paged_attention(*args, interpret=env.interpret, **cfg)
+    ref = paged_attention_reference(*args)
+    results.append(dict(name=f"ours {cfg} vs reference bf16", err=max_rel_err(ours, ref), tol=2e-2))
+    if not quick:
+        o3 = paged_attention(*args, num_splits=3, blocks_per_step=2, interpret=env.interpret)
+        results.append(
+            dict(name="ours (3 splits, 2 blocks/step) vs reference bf16", err=max_rel_err(o3, ref), tol=2e-2)
+        )
+    shipped = shipped_fn()
+    if shipped is not None:
+        try:
+            # The shipped kernel applies no softmax scale (so pre-scale q) and gives garbage
+            # for length-0 rows (so compare rows with length >= 1 only).
+            q_scaled = (q.astype(jnp.float32) * HEAD_DIM**-0.5).astype(q.dtype)
+            o_s = shipped(
+                q_scaled,
+                kp,
+                vp,
+                bt,
+                ln,
+                interpret=env.interpret,
+                **shipped_candidates(shape, env, tune=False)[0],
+            )
+            nz = np.asarray(ln) > 0
+            results.append(
+                dict(
+                    name="ours vs shipped bf16 (rows with length >= 1)",
+                    err=max_rel_err(np.asarray(ours)[nz], np.asarray(o_s)[nz]),
+                    tol=2e-2,
+                )
+            )
+        except Exception as e:  # report, do not die: the shipped kernel is only a baseline
+            results.append(dict(name="ours vs shipped", err=float("nan"), tol=0.0, error=repr(e)[:300]))
+    if not quick:
+        f32 = [x.astype(jnp.float32) for x in (q, kp, vp)]
+        o32 = paged_attention(*f32, bt, ln, num_splits=2, interpret=env.interpret)
+        r32 = paged_attention_reference(*f32, bt, ln)
+        results.append(dict(name="ours vs reference fp32 (IEEE dots)", err=max_rel_err(o32, r32), tol=1e-4))
+    chunk = 4
+    qc = jax.random.normal(jax.random.PRNGKey(1), (shape.batch, chunk, NUM_Q_HEADS, HEAD_DIM), DTYPE)
+    q_lens = jnp.minimum(ln, jnp.asarray(np.resize([4, 1, 3, 0], shape.batch), jnp.int32))
+    oc = paged_attention_chunk(qc, kp, vp, bt, ln, q_lens, num_splits=2, interpret=env.interpret)
+    rc = paged_attention_chunk_reference(qc, kp, vp, bt, ln, q_lens)
+    results.append(dict(name="chunk kernel vs reference bf16", err=max_rel_err(oc, rc), tol=2e-2))
+    for r in results:
+        r["ok"] = bool(r["err"] <= r["tol"])
+    return results
+
+
+# --------------------------------------------------------------------------- sweep
+def sweep_shapes(quick: bool) -> list[Shape]:
+    """Priority order: main grid at block size 16, then block-size sweeps."""
+    if quick:
+        return [Shape(4, 64, 16)]
+    main = [Shape(b, c, 16) for c in (4096, 32768, 512) for b in (1, 8, 64, 256)]
+    block_sweep = [
+        Shape(b, c, bs)
+        for (b, c) in ((8, 4096), (64, 32768), (1, 32768), (256, 4096), (8, 512))
+        for bs in (8, 32, 64, 128)
+    ]
+    return main + block_sweep
+
+
+def our_candidates(shape: Shape, env: Env, tune: bool) -> list[dict]:
+    auto_splits = default_num_splits(shape.batch, NUM_KV_HEADS, shape.context, env.num_sms)
+    bps = default_blocks_per_step(shape.block_size, HEAD_DIM)
+    cands = [dict(num_splits=auto_splits, blocks_per_step=bps)]
+    if tune:
+        if 2 * bps * shape.block_size <= 256:
+            cands.append(dict(num_splits=auto_splits, blocks_per_step=2 * bps))
+        if shape.context >= 4096:
+            cands.append(dict(num_splits=min(64, 2 * auto_splits), blocks_per_step=bps))
+        if auto_splits > 1:
+            cands.append(dict(num_splits=max(1, auto_splits // 2), blocks_per_step=bps))
+    unique = []
+    for c in cands:
+        if c not in unique:
+            unique.append(c)
+    return unique[:3]
+
+
+def shipped_candidates(shape: Shape, env: Env, tune: bool) -> list[dict]:
+    """Valid (k_splits | pages, ppcb | pages per split) settings near its defaults."""
+    pages = shape.pages_per_seq
+
+    def fit(ks, ppcb):
+        ks = max(1, min(ks, pages))
+        while pages % ks:
+            ks //= 2
+        ppcb = max(1, min(ppcb, pages // ks))
+        while (pages // ks) % ppcb:
+            ppcb //= 2
+        return dict(k_splits=ks, pages_per_compute_block=ppcb)
+
+    cands = [fit(16, 8)]  # its defaults
+    if tune:
+        auto = default_num_splits(shape.batch, NUM_KV_HEADS, shape.context, env.num_sms)
+        cands.append(fit(auto, max(1, 128 // shape.block_size)))
+    out = []
+    for c in cands:
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def best_of(candidates, make_fn, args, env: Env) -> tuple[float, dict | None, list]:
+    """Fastest candidate: (seconds, its settings, errors of candidates that failed)."""
+    best_t, best_c, errors = math.inf, None, []
+    for c in candidates:
+        try:
+            t = time_fn(make_fn(c), *args, target_s=env.target_s, reps=env.reps)
+        except Exception as e:  # e.g. a tuning point that does not compile
+            errors.append(f"{c}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        if t < best_t:
+            best_t, best_c = t, c
+    return best_t, best_c, errors
+
+
+def bench_shape(shape: Shape, env: Env, copy_bw: float, tune: bool, shipped) -> dict:
+    row: dict = dict(dataclasses.asdict(shape), kv_bytes=shape.kv_bytes)
+    args = make_inputs(jax.random.PRNGKey(shape.batch * 7 + shape.context + shape.block_size), shape)
+    q, kp, vp, bt, ln = args
+
+    t, cfg, errs = best_of(
+        our_candidates(shape, env, tune),
+        lambda c: functools.partial(paged_attention, interpret=env.interpret, **c),
+        args,
+        env,
+    )
+    if cfg is None:
+        raise RuntimeError(f"no setting of our kernel ran: {errs}")
+    row.update(ours_us=t * 1e6, ours_cfg=cfg)
+    if errs:
+        row["ours_errors"] = errs
+    if shipped is not None:
+        ts, cfg_s, errs = best_of(
+            shipped_candidates(shape, env, tune),
+            lambda c: functools.partial(shipped, interpret=env.interpret, **c),
+            args,
+            env,
+        )
+        row.update(shipped_us=ts * 1e6 if math.isfinite(ts) else None, shipped_cfg=cfg_s)
+        if errs:
+            row["shipped_errors"] = errs
+    # The fp32 reference materialises fp32 copies of the gathered K/V: only when small.
+    if 3 * shape.kv_bytes <= env.mem_limit // 4:
+        row["xla_ref_us"] = (
+            time_fn(paged_attention_reference, *args, target_s=env.target_s, reps=env.reps) * 1e6
+        )
+    else:
+        row["xla_ref_us"] = None
+        row["xla_ref_skipped"] = "memory (fp32 gathered K/V)"
+
+    kc = to_contiguous(kp, bt)
+    vc = to_contiguous(vp, bt)
+    del kp, vp, args
+    contig = {"xla": time_fn(contiguous_xla, q, kc, vc, target_s=env.target_s, reps=env.reps)}
+    fn = contiguous_pallas_fn(shape.context, env.interpret)
+    if fn is not None:
+        try:
+            contig["pallas_decode_attention"] = time_fn(fn, q, kc, vc, target_s=env.target_s, reps=env.reps)
+        except Exception as e:
+            row["contig_pallas_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    del kc, vc
+    name, tc = min(contig.items(), key=lambda kv: kv[1])
+    row.update(
+        contiguous_us=tc * 1e6,
+        contiguous_impl=name,
+        contiguous_all_us={k: v * 1e6 for k, v in contig.items()},
+    )
+
+    row["ours_gbps"] = shape.kv_bytes / t / 1e9
+    row["pct_copy_bw"] = 100.0 * (shape.kv_bytes / t) / copy_bw
+    row["speedup_vs_shipped"] = (row["shipped_us"] / row["ours_us"]) if row.get("shipped_us") else None
+    row["paged_over_contiguous"] = row["ours_us"] / row["contiguous_us"]
+    return row
+
+
+def fits(shape: Shape, env: Env) -> bool:
+    # paged pool + contiguous copy + generation temporaries (fp32 normals for one of K/V).
+    return 4 * shape.kv_bytes <= env.mem_limit
+
+
+# ---------------------------------------------------------------------------- report
+def format_table(rows: list[dict]) -> str:
+    head = (
+        f"{'batch':>5} {'ctx':>6} {'bs':>4} | {'ours us':>9} {'GB/s':>7} {'%copy':>6} "
+        f"{'shipped us':>10} {'speedup':>7} {'xla_ref us':>10} {'contig us':>9} "
+        f"{'paged/contig':>12} | ours cfg"
+    )
+    lines = [head, "-" * len(head)]
+
+    def f(x, fmt):
+        return format(x, fmt) if isinstance(x, (int, float)) and x is not None else "-"
+
+    for r in rows:
+        cfg = r.get("ours_cfg") or {}
+        lines.append(
+            f"{r['batch']:>5} {r['context']:>6} {r['block_size']:>4} | {f(r['ours_us'], '9.1f')} "
+            f"{f(r['ours_gbps'], '7.0f')} {f(r['pct_copy_bw'], '6.1f')} "
+            f"{f(r.get('shipped_us'), '10.1f'):>10} {f(r.get('speedup_vs_shipped'), '7.2f'):>7} "
+            f"{f(r.get('xla_ref_us'), '10.1f'):>10} {f(r['contiguous_us'], '9.1f')} "
+            f"{f(r['paged_over_contiguous'], '12.2f')} | splits={cfg.get('num_splits')} "
+            f"bps={cfg.get('blocks_per_step')}"
+        )
+    return "\n".join(lines)
+
+
+def headline(rows: list[dict]) -> dict:
+    long_ctx = [r["pct_copy_bw"] for r in rows if r["context"] >= 4096]
+    speed = [r["speedup_vs_shipped"] for r in rows if r.get("speedup_vs_shipped")]
+    slow = [r["paged_over_contiguous"] for r in rows if r["block_size"] >= 16]
+    return {
+        "min_pct_copy_bw_ctx_ge_4096": min(long_ctx) if long_ctx else None,
+        "min_speedup_vs_shipped": min(speed) if speed else None,
+        "max_paged_over_contiguous_bs_ge_16": max(slow) if slow else None,
+        "configs_measured": len(rows),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny smoke run (interpret mode on CPU)")
+    ap.add_argument("--out", default="out", help="directory for kernel_bench.json")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=220.0,
+        help="wall-clock budget for the timing sweep (configs past it are skipped)",
+    )
+    ap.add_argument("--no-tune", action="store_true", help="time only the auto-chosen settings")
+    args = ap.parse_args(argv)
+
+    start = time.perf_counter()
+    env = detect_env()
+    quick = args.quick or env.interpret
+    if quick:  # a smoke run: exercise the code path, do not measure carefully
+        env.reps, env.target_s = 2, 0.0
+    if env.interpret and not args.quick:
+        print("no GPU backend: running the --quick interpret-mode smoke instead")
+    print(
+        f"device {env.device}, jax {jax.__version__}, SMs {env.num_sms}, "
+        f"memory budget {env.mem_limit / 2**30:.1f} GiB, interpret={env.interpret}"
+    )
+
+    shapes = sweep_shapes(quick)
+    checks = check_correctness(env, Shape(16, 2048, 16) if not quick else shapes[0], quick)
+    for c in checks:
+        print(
+            f"  [{'ok' if c['ok'] else 'FAIL'}] {c['name']}: err {c['err']:.2e} (tol {c['tol']:.0e})"
+            + (f" {c['error']}" if "error" in c else "")
+        )
+    all_ok = all(c["ok"] for c in checks if "error" not in c)
+
+    copy_bytes = (1 << 20) if quick else (4 << 30)
+    copy_bw = copy_bandwidth(env, copy_bytes)
+    print(f"device copy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write of {copy_bytes >> 20} MiB)")
+
+    shipped = shipped_fn()
+    rows, skipped = [], []
+    for shape in shapes:
+        elapsed = time.perf_counter() - start
+        if not fits(shape, env):
+            skipped.append(dict(dataclasses.asdict(shape), reason="does not fit device memory"))
+            continue
+        if elapsed > args.budget_s:
+            skipped.append(dict(dataclasses.asdict(shape), reason="time budget"))
+            continue
+        tune = not (quick or args.no_tune)
+        try:
+            row = bench_shape(shape, env, copy_bw, tune, shipped)
+        except Exception as e:  # one failing config must not lose the others
+            skipped.append(
+                dict(dataclasses.asdict(shape), reason=f"error: {type(e).__name__}: {str(e)[:300]}")
+            )
+            continue
+        finally:
+            gc.collect()
+        rows.append(row)
+        print(
+            f"  b={shape.batch:<4} ctx={shape.context:<6} bs={shape.block_size:<4} ours "
+            f"{row['ours_us']:.1f} us ({row['pct_copy_bw']:.0f}% copy bw)  [{time.perf_counter() - start:.0f} s]"
+        )
+
+    print()
+    print(format_table(rows))
+    for s in skipped:
+        print(f"skipped b={s['batch']} ctx={s['context']} bs={s['block_size']}: {s['reason']}")
+    head = headline(rows)
+    print("headline:", json.dumps(head))
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = dict(
+        headline=head,
+        correctness=checks,
+        correctness_ok=all_ok,
+        copy_bandwidth_gbps=copy_bw / 1e9,
+        device=env.device,
+        jax_version=jax.__version__,
+        interpret=env.interpret,
+        quick=quick,
+        shapes=dict(
+            num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype=jnp.dtype(DTYPE).name
+        ),
+        rows=rows,
+        skipped=skipped,
+        wall_s=time.perf_counter() - start,
+    )
+    path = out_dir / "kernel_bench.json"
+    path.write_text(json.dumps(report, indent=2, default=str))
+    print(f"wrote {path} in {report['wall_s']:.0f} s")
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,247 @@
+"""A pure-Python block manager: lists and dicts, one sequence at a time, obviously correct.
+
+The test oracle for ``ops.py``. Each method takes the same batch arguments as the jitted
+op, returns the same status list, and applies nothing unless every status is OK. Batched
+ops are defined as the sequential application of their entries in batch order, which is
+what the jitted ops reproduce.
+"""
+
+from __future__ import annotations
+
+import collections
+import random as _random
+
+from paged_jax.cache.state import Status
+
+NO_BLOCK = NO_SEQ = NO_SLOT = -1
+
+
+class ReferenceFreeList:
+    """The free pool of one policy, with Python containers."""
+
+    def __init__(self, policy: str, num_blocks: int):
+        self.policy = policy
+        if policy == "lifo" or policy.startswith("random"):
+            self.items = list(range(num_blocks - 1, -1, -1))  # top of stack at the end
+        elif policy == "fifo":
+            self.items = collections.deque(range(num_blocks))
+        elif policy == "lowest_id_first":
+            self.items = set(range(num_blocks))
+        else:
+            raise ValueError(f"no reference for policy {policy!r}")
+
+    def __len__(self):
+        return len(self.items)
+
+    def pop(self, chosen: int | None = None) -> int:
+        """Take a block; for random policies, ``chosen`` is the id the device picked."""
+        if self.policy == "lifo":
+            return self.items.pop()
+        if self.policy == "fifo":
+            return self.items.popleft()
+        if self.policy == "lowest_id_first":
+            block = min(self.items)
+            self.items.remove(block)
+            return block
+        if chosen is None:
+            chosen = _random.choice(self.items)
+        self.items.remove(chosen)  # raises if the device picked a block that is not free
+        return chosen
+
+    def push(self, block: int) -> None:
+        if self.policy == "lowest_id_first":
+            self.items.add(block)
+        else:
+            self.items.append(block)
+
+    def ordered(self) -> list[int]:
+        """Free ids in the order the next allocations take them (sorted for random)."""
+        if self.policy == "lifo":
+            return self.items[::-1]
+        if self.policy == "fifo":
+            return list(self.items)
+        return sorted(self.items)
+
+
+class ReferenceBlockManager:
+    def __init__(self, num_blocks: int, block_size: int, max_seqs: int, max_blocks_per_seq: int, policy: str = "lifo"):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.max_seqs, self.max_blocks_per_seq = max_seqs, max_blocks_per_seq
+        self.free = ReferenceFreeList(policy, num_blocks)
+        self.tables: dict[int, list[int]] = {}  # live sequence -> physical blocks
+        self.lens: dict[int, int] = {}
+        self.counts = [0] * num_blocks
+
+    # ------------------------------------------------------------------ validation
+
+    def _status(self, ids, *, want_active, unique):
+        status = []
+        in_range = [0 <= s < self.max_seqs for s in ids]
+        hits = collections.Counter(s for s, ok in zip(ids, in_range) if ok)
+        for s, ok in zip(ids, in_range):
+            if s == NO_SEQ:
+                status.append(Status.OK)
+            elif not ok:
+                status.append(Status.INVALID_SEQ_ID)
+            elif want_active is True and s not in self.tables:
+                status.append(Status.INACTIVE_SEQ)
+            elif want_active is False and s in self.tables:
+                status.append(Status.ACTIVE_SEQ)
+            elif unique and hits[s] > 1:
+                status.append(Status.DUPLICATE_SEQ)
+            else:
+                status.append(Status.OK)
+        return status
+
+    def _pair_status(self, a, b, a_kw, b_kw):
+        sa, sb = self._status(a, **a_kw), self._status(b, **b_kw)
+        status = [x if x != Status.OK else y for x, y in zip(sa, sb)]
+        for i, (x, y) in enumerate(zip(a, b)):
+            real_x, real_y = 0 <= x < self.max_seqs, 0 <= y < self.max_seqs
+            if status[i] == Status.OK and real_x != real_y:
+                status[i] = Status.INVALID_SEQ_ID
+        return status
+
+    @staticmethod
+    def _all_ok(status):
+        return all(s == Status.OK for s in status)
+
+    def _drop_reference(self, block: int) -> None:
+        self.counts[block] -= 1
+        assert self.counts[block] >= 0
+        if self.counts[block] == 0:
+            self.free.push(block)
+
+    # ------------------------------------------------------------------ ops
+
+    def open_sequences(self, ids):
+        status = self._status(ids, want_active=False, unique=True)
+        if self._all_ok(status):
+            for s in ids:
+                if s != NO_SEQ:
+                    self.tables[s], self.lens[s] = [], 0
+        return status
+
+    def blocks_needed(self, ids, num_tokens):
+        """Blocks each append would take, appending in batch order (copy-on-write included)."""
+        counts = collections.Counter()  # references dropped by earlier copies in the batch
+        need = []
+        bs = self.block_size
+        for s, n in zip(ids, num_tokens):
+            if s not in self.tables or n <= 0:
+                need.append(0)
+                continue
+            length, table = self.lens[s], self.tables[s]
+            k = -(-(length + n) // bs) - -(-length // bs)
+            if length % bs:
+                b = table[length // bs]
+                if self.counts[b] - counts[b] > 1:
+                    counts[b] += 1
+                    k += 1
+            need.append(k)
+        return need
+
+    def append_slots(self, ids, num_tokens, max_tokens, device_ids=None):
+        """Returns (status, slot_mapping rows, copies [(src, dst)] in batch order).
+
+        ``device_ids``: for random policies, the ids the device allocated, in order.
+        """
+        status = self._status(ids, want_active=True, unique=True)
+        bs = self.block_size
+        for i, (s, n) in enumerate(zip(ids, num_tokens)):
+            if status[i] == Status.OK and s != NO_SEQ and not 0 <= n <= max_tokens:
+                status[i] = Status.BAD_NUM_TOKENS
+        for i, (s, n) in enumerate(zip(ids, num_tokens)):
+            if status[i] == Status.OK and s != NO_SEQ and -(-(self.lens[s] + n) // bs) > self.max_blocks_per_seq:
+                status[i] = Status.TABLE_FULL
+        empty = [[NO_SLOT] * max_tokens for _ in ids]
+        if not self._all_ok(status):
+            return status, empty, []
+        need = self.blocks_needed(ids, num_tokens)
+        if sum(need) > len(self.free):
+            return [Status.NO_FREE_BLOCKS if k else Status.OK for k in need], empty, []
+        device_ids = list(device_ids) if device_ids is not None else None
+        take = lambda: self.free.pop(device_ids.pop(0) if device_ids is not None else None)
+        slots, copies = [], []
+        for s, n in zip(ids, num_tokens):
+            row = [NO_SLOT] * max_tokens
+            if s != NO_SEQ and n > 0:
+                table, length = self.tables[s], self.lens[s]
+                if length % bs and self.counts[table[length // bs]] > 1:
+                    src, dst = table[length // bs], take()
+                    self.counts[src] -= 1
+                    self.counts[dst] += 1
+                    table[length // bs] = dst
+                    copies.append((src, dst))
+                while len(table) < -(-(length + n) // bs):
+                    block = take()
+                    self.counts[block] += 1
+                    table.append(block)
+                for t in range(n):
+                    pos = length + t
+                    row[t] = table[pos // bs] * bs + pos % bs
+                self.lens[s] = length + n
+            slots.append(row)
+        return status, slots, copies
+
+    def fork(self, parents, children):
+        status = self._pair_status(parents, children, dict(want_active=True, unique=False), dict(want_active=False, unique=True))
+        if self._all_ok(status):
+            for p, c in zip(parents, children):
+                if c != NO_SEQ:
+                    self.tables[c], self.lens[c] = list(self.tables[p]), self.lens[p]
+                    for b in self.tables[c]:
+                        self.counts[b] += 1
+        return status
+
+    def release(self, ids):
+        return self._shrink(ids, [0] * len(ids), deactivate=True)
+
+    def truncate(self, ids, new_lens):
+        return self._shrink(ids, new_lens, deactivate=False)
+
+    def _shrink(self, ids, new_lens, *, deactivate):
+        status = self._status(ids, want_active=True, unique=True)
+        for i, (s, n) in enumerate(zip(ids, new_lens)):
+            if status[i] == Status.OK and s != NO_SEQ and not 0 <= n <= self.lens[s]:
+                status[i] = Status.BAD_NUM_TOKENS
+        if self._all_ok(status):
+            for s, n in zip(ids, new_lens):
+                if s == NO_SEQ:
+                    continue
+                keep = -(-n // self.block_size)
+                for b in self.tables[s][keep:]:
+                    self._drop_reference(b)
+                del self.tables[s][keep:]
+                self.lens[s] = n
+                if deactivate:
+                    del self.tables[s], self.lens[s]
+        return status
+
+    def select_parents(self, ids, parents):
+        status = self._pair_status(ids, parents, dict(want_active=None, unique=True), dict(want_active=True, unique=False))
+        if self._all_ok(status):
+            new = [(s, list(self.tables[p]), self.lens[p]) for s, p in zip(ids, parents) if s != NO_SEQ]
+            for _, row, _ in new:
+                for b in row:
+                    self.counts[b] += 1
+            for s, _, _ in new:
+                for b in self.tables.get(s, []):
+                    self._drop_reference(b)
+            for s, row, length in new:
+                self.tables[s], self.lens[s] = row, length
+        return status
+
+    # ------------------------------------------------------------------ observation
+
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def snapshot(self):
+        """(tables, lens, counts, ordered free list) in the device state's terms."""
+        tables = [[NO_BLOCK] * self.max_blocks_per_seq for _ in range(self.max_seqs)]
+        lens = [0] * self.max_seqs
+        for s, row in self.tables.items():
+            tables[s][: len(row)] = row
+            lens[s] = self.lens[s]
+        return tables, lens, list(self.counts), self.free.ordered()

@@ -1,0 +1,104 @@
+"""The whole block-manager state as one frozen pytree of fixed-size arrays.
+
+Every physical block is either free (ref count 0, in the policy's pool) or referenced
+(ref count >= 1, not in the pool): never both, never neither (seed M4, M9).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from paged_jax.cache.policies import AllocationPolicy, get_policy
+from paged_jax.config import CacheConfig
+
+
+@struct.dataclass
+class CacheState:
+    """Block tables, lengths, ref counts and the free pool (seed M1, M4, M6).
+
+    ``pool`` is owned by the allocation policy (see ``policies.py``); nothing outside the
+    policy looks inside it.
+    """
+
+    block_tables: jax.Array  # int32[max_seqs, max_blocks_per_seq]; NO_BLOCK past the end
+    seq_lens: jax.Array  # int32[max_seqs]; tokens held; 0 for inactive rows
+    active: jax.Array  # bool[max_seqs]; row is a live sequence
+    ref_counts: jax.Array  # int32[num_blocks]; table entries pointing at each block
+    pool: Any  # policy-defined pytree of fixed-size arrays holding the free blocks
+    # Static (part of the treedef, not traced): changing either means a new state.
+    block_size: int = struct.field(pytree_node=False, default=16)
+    policy: AllocationPolicy = struct.field(pytree_node=False, default=None)
+
+    NO_BLOCK: ClassVar[int] = -1  # table entry that names no physical block
+    NO_SEQ: ClassVar[int] = -1  # padding entry in a batch of sequence ids: ignored
+    NO_SLOT: ClassVar[int] = -1  # slot-mapping entry for a padding token
+
+    @property
+    def num_free_blocks(self) -> jax.Array:
+        """int32[]: blocks in the free pool."""
+        return self.policy.num_free(self.pool)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.ref_counts.shape[0]
+
+    @property
+    def max_seqs(self) -> int:
+        return self.block_tables.shape[0]
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return self.block_tables.shape[1]
+
+
+def init_state(
+    config: CacheConfig, policy: AllocationPolicy | str = "lifo"
+) -> CacheState:
+    """A state with no live sequence and every block free in ``policy``'s pool."""
+    policy = get_policy(policy)
+    return CacheState(
+        block_tables=jnp.full(
+            (config.max_seqs, config.max_blocks_per_seq), CacheState.NO_BLOCK, jnp.int32
+        ),
+        seq_lens=jnp.zeros((config.max_seqs,), jnp.int32),
+        active=jnp.zeros((config.max_seqs,), bool),
+        ref_counts=jnp.zeros((config.num_blocks,), jnp.int32),
+        pool=policy.init(config.num_blocks),
+        block_size=config.block_size,
+        policy=policy,
+    )
+
+
+class Status(enum.IntEnum):
+    """Per-sequence result of an operation. A call applies only if every entry is OK."""
+
+    OK = 0
+    NO_FREE_BLOCKS = 1  # the pool cannot supply every block the call needs
+    INVALID_SEQ_ID = 2  # id outside [0, max_seqs) (and not the NO_SEQ padding id)
+    INACTIVE_SEQ = 3  # the op needs a live sequence and this row is not one
+    ACTIVE_SEQ = 4  # the op needs a free row (open, fork child) and this row is live
+    TABLE_FULL = 5  # the row would need more than max_blocks_per_seq blocks
+    DUPLICATE_SEQ = 6  # the same row appears twice where each must be unique
+    BAD_NUM_TOKENS = 7  # negative, above the call's static maximum, or a bad new length
+
+
+class CacheOpError(RuntimeError):
+    """Raised on the host by ``raise_for_status`` when an op was rejected."""
+
+
+def raise_for_status(op: str, seq_ids, status) -> None:
+    """Host-side check of an op's status array; raises naming every failing sequence."""
+    import numpy as np
+
+    status = np.asarray(status)
+    bad = np.flatnonzero(status != Status.OK)
+    if bad.size:
+        seq_ids = np.asarray(seq_ids)
+        parts = [f"seq {int(seq_ids[i])}: {Status(int(status[i])).name}" for i in bad[:8]]
+        more = f" (+{bad.size - 8} more)" if bad.size > 8 else ""
+        raise CacheOpError(f"{op} rejected, state unchanged: " + "; ".join(parts) + more)

@@ -1,0 +1,23 @@
+"""The serving engine: continuous batching over the paged KV cache (seed M5, M8, C1, C2, C8).
+
+Data flows one way: ``llm`` (public API) -> ``engine`` (the step loop) -> ``scheduler``
+(decisions; host only) -> ``runner`` (the only device code: steps, cache ops, swaps).
+``accounting`` is the one place where the paged engine and the static baseline differ.
+"""
+
+# Extension points: the static baseline's accounting, custom models, victim policies.
+from paged_jax.engine.accounting import PagedAccounting, StaticAccounting
+
+# Public offline API (vLLM's names).
+from paged_jax.engine.llm import LLM, CompletionOutput, RequestOutput, build_backend
+from paged_jax.engine.runner import ModelBackend
+from paged_jax.engine.sampling import SamplingParams, sample
+from paged_jax.engine.scheduler import PREEMPTION_MODES
+from paged_jax.engine.sequence import SeqInfo
+from paged_jax.engine.victim import VICTIM_POLICIES, VictimPolicy, get_victim_policy
+
+__all__ = [
+    "LLM", "PREEMPTION_MODES", "VICTIM_POLICIES", "CompletionOutput", "ModelBackend",
+    "PagedAccounting", "RequestOutput", "SamplingParams", "SeqInfo", "StaticAccounting",
+    "VictimPolicy", "build_backend", "get_victim_policy", "sample",
+]

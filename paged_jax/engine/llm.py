@@ -1,0 +1,383 @@
+"""The public offline API, with vLLM's names: ``LLM``, ``SamplingParams``, ``RequestOutput``.
+
+    llm = LLM(model="tests/fixtures/llama", num_gpu_blocks=64, max_num_seqs=8)
+    outs = llm.generate([[1, 2, 3], {"prompt_token_ids": [4, 5]}],
+                        SamplingParams(temperature=0, max_tokens=8))
+    outs[0].outputs[0].token_ids, llm.stats()
+
+``model`` is a local Hugging Face checkpoint directory, a ``ModelConfig`` (random weights
+from ``seed``), or a ``ModelBackend`` (any step functions obeying the contract in
+``paged_jax/steps.py``; tests use a small fake).
+
+Differences from vLLM worth knowing: prompts are token ids (there is no tokenizer);
+prompts longer than ``max_model_len - 1`` are rejected up front, before anything is
+generated (vLLM raises too); generation stops at ``max_model_len`` total tokens with
+finish reason "length"; the KV pool size is given (``num_gpu_blocks`` or
+``kv_cache_memory_bytes``), not profiled; ``kv_cache="static"`` runs the
+pre-PagedAttention baseline (see ``accounting.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import numbers
+import os
+from collections.abc import Sequence as Seq
+
+from paged_jax.engine.accounting import PagedAccounting, StaticAccounting, blocks_for
+from paged_jax.engine.engine import LLMEngine
+from paged_jax.engine.runner import ModelBackend, ModelRunner, RunnerConfig
+from paged_jax.engine.sampling import SamplingParams, seed_for
+from paged_jax.engine.scheduler import Scheduler, SchedulerConfig
+from paged_jax.engine.sequence import Sequence
+from paged_jax.engine.swap import HostSwapPool
+
+KV_CACHE_MODES = ("paged", "static")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionOutput:
+    """One completion of a request."""
+
+    index: int
+    token_ids: list[int]
+    cumulative_logprob: float  # sum of log p(token) under the unmodified model distribution
+    finish_reason: str  # "length" or "stop"
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+
+
+def build_backend(model, *, dtype: str, seed: int, attention_impl: str, block_size: int) -> ModelBackend:
+    """A ``ModelBackend`` from a checkpoint directory or a ``ModelConfig`` (random weights)."""
+    if isinstance(model, ModelBackend):
+        return model
+    from paged_jax import kv
+    from paged_jax.model import ModelConfig, init_params, load_model
+    eos = None
+    if isinstance(model, ModelConfig):
+        config = model.replace(dtype=dtype)
+        _, params = init_params(config, seed)
+        name = f"random {config.architecture} ({config.num_params / 1e6:.1f}M params, seed {seed})"
+    elif isinstance(model, (str, os.PathLike)):
+        if not os.path.isdir(model):
+            raise ValueError(f"model={model!r}: not a local checkpoint directory (no downloads)")
+        config, _, params = load_model(model, dtype=dtype)
+        with open(os.path.join(model, "config.json")) as f:
+            eos = json.load(f).get("eos_token_id")
+        if isinstance(eos, list):  # some checkpoints list several; the first is the EOS
+            eos = eos[0] if eos else None
+        name = f"{config.architecture} from {model}"
+    else:
+        raise ValueError(
+            f"model={model!r}: expected a local HF checkpoint directory, a ModelConfig or a ModelBackend"
+        )
+    steps = _step_fns(config, attention_impl)
+    return ModelBackend(
+        prefill=steps.prefill,
+        decode=steps.decode,
+        params=params,
+        init_pages=lambda num_blocks: kv.init_pages(
+            config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim, dtype
+        ),
+        read_blocks=kv.read_blocks,
+        write_blocks=kv.write_blocks,
+        vocab_size=config.vocab_size,
+        eos_token_id=eos,
+        max_position=config.max_seq_len,
+        name=name,
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _step_fns(config, attention_impl: str):
+    """One ``StepFns`` per (model shape, attention impl): engines share compiled steps."""
+    from paged_jax.steps import make_step_fns
+
+    return make_step_fns(config, attention_impl=attention_impl)
+
+
+class LLM:
+    """An offline engine: continuous batching over a paged (or static) KV cache.
+
+    Args:
+      model: checkpoint directory, ``ModelConfig`` (random weights) or ``ModelBackend``.
+      block_size: tokens per KV block (a power of two).
+      num_gpu_blocks: blocks in the device pool. Or give ``kv_cache_memory_bytes`` and
+        the pool is as many blocks as fit. Neither: room for ``max_num_seqs`` sequences
+        of ``max_model_len`` tokens (no memory pressure).
+      max_num_seqs: sequences running at once (block-table rows; the largest batch).
+      max_model_len: prompt + output tokens per sequence; default the model's maximum,
+        capped by the pool.
+      max_num_batched_tokens: tokens per step (decodes + prefill chunks); default
+        ``max(max_model_len, max_num_seqs)`` up to 2048 but at least ``max_num_seqs``.
+      preemption_mode: "recompute" or "swap" (see ``scheduler.py``).
+      swap_space_blocks: host swap pool size in blocks (swap mode; default: as many as
+        the device pool).
+      allocation_policy: block allocation order: "lifo", "fifo", "lowest_id_first", "random".
+      attention_impl: passed to ``make_step_fns``.
+      dtype: parameter, compute and KV dtype.
+      seed: random weights (ModelConfig) and default per-request sampling seeds.
+      kv_cache: "paged" or "static" (each sequence reserves max_model_len up front).
+      watermark: fraction of the pool kept free at admission (paged).
+      victim_policy: name in ``victim.VICTIM_POLICIES`` or a function.
+      debug_checks: check every invariant after every step (slow; for tests).
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        block_size: int = 16,
+        num_gpu_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        preemption_mode: str = "recompute",
+        swap_space_blocks: int | None = None,
+        allocation_policy: str = "lifo",
+        attention_impl: str = "auto",
+        dtype: str = "float32",
+        seed: int = 0,
+        kv_cache: str = "paged",
+        watermark: float = 0.01,
+        victim_policy="most_recently_admitted",
+        debug_checks: bool = False,
+    ):
+        if kv_cache not in KV_CACHE_MODES:
+            raise ValueError(f"kv_cache={kv_cache!r}: unknown; choose one of {list(KV_CACHE_MODES)}")
+        if num_gpu_blocks is not None and kv_cache_memory_bytes is not None:
+            raise ValueError("give num_gpu_blocks or kv_cache_memory_bytes, not both")
+        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={max_num_seqs!r}: must be an int >= 1")
+        # Validate names before building anything expensive.
+        from paged_jax.cache import get_policy
+
+        get_policy(allocation_policy)
+        SchedulerConfig(
+            max_num_seqs=1, max_num_batched_tokens=1, block_size=block_size,
+            preemption_mode=preemption_mode, victim_policy=victim_policy,
+        )
+        backend = build_backend(model, dtype=dtype, seed=seed, attention_impl=attention_impl, block_size=block_size)
+
+        bytes_per_block = _bytes_per_block(backend)
+        if kv_cache_memory_bytes is not None:
+            num_gpu_blocks = int(kv_cache_memory_bytes) // bytes_per_block
+            if num_gpu_blocks < 1:
+                raise ValueError(
+                    f"kv_cache_memory_bytes={kv_cache_memory_bytes}: smaller than one block ({bytes_per_block} bytes)"
+                )
+        limit = backend.max_position
+        if max_model_len is None:
+            max_model_len = limit if limit is not None else 2048
+            if num_gpu_blocks is not None:
+                max_model_len = min(max_model_len, num_gpu_blocks * block_size)
+        if not isinstance(max_model_len, int) or max_model_len < 2:
+            raise ValueError(f"max_model_len={max_model_len!r}: must be an int >= 2")
+        if limit is not None and max_model_len > limit:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's maximum length {limit}")
+        blocks_per_seq = blocks_for(max_model_len, block_size)
+        if num_gpu_blocks is None:
+            num_gpu_blocks = max_num_seqs * blocks_per_seq
+        if num_gpu_blocks < blocks_per_seq:
+            raise ValueError(
+                f"max_model_len={max_model_len} needs {blocks_per_seq} blocks of {block_size} tokens "
+                f"but the KV pool has {num_gpu_blocks}: lower max_model_len or enlarge the pool"
+            )
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(min(max(max_model_len, max_num_seqs), 2048), max_num_seqs)
+
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.seed = seed
+        self.backend = backend
+        self.runner = ModelRunner(
+            backend,
+            RunnerConfig(
+                num_blocks=num_gpu_blocks,
+                block_size=block_size,
+                max_num_seqs=max_num_seqs,
+                max_blocks_per_seq=blocks_per_seq,
+                max_num_batched_tokens=max_num_batched_tokens,
+                allocation_policy=allocation_policy,
+                debug_checks=debug_checks,
+            ),
+        )
+        if kv_cache == "paged":
+            accounting = PagedAccounting(num_gpu_blocks, block_size, watermark)
+        else:
+            accounting = StaticAccounting(num_gpu_blocks, block_size, max_model_len)
+        swap_pool = None
+        if preemption_mode == "swap" and kv_cache == "paged":
+            capacity = num_gpu_blocks if swap_space_blocks is None else swap_space_blocks
+            swap_pool = HostSwapPool(capacity, self.runner.block_leaves, self.runner.block_treedef)
+        scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                block_size=block_size,
+                preemption_mode=preemption_mode,
+                victim_policy=victim_policy,
+            ),
+            self.runner,
+            accounting,
+            swap_pool,
+        )
+        self.engine = LLMEngine(scheduler, self.runner, eos_token_id=backend.eos_token_id, debug_checks=debug_checks)
+        self._next_request = 0
+
+    # ------------------------------------------------------------------ generate
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order.
+
+        Args:
+          prompts: token-id lists or ``{"prompt_token_ids": [...]}`` dicts (or one prompt).
+          sampling_params: one ``SamplingParams`` for all, one per prompt, or None
+            (defaults).
+
+        Raises ValueError, before generating anything, for an empty prompt, a token
+        outside the vocabulary, or a prompt that cannot fit (``>= max_model_len`` tokens,
+        naming the request index and the limit).
+        """
+        prompts = _normalise_prompts(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params[{i}]={p!r}: expected SamplingParams")
+        for i, prompt in enumerate(prompts):
+            self._validate_prompt(i, prompt)
+
+        seqs = []
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            rid = str(self._next_request)
+            self._next_request += 1
+            seq = Sequence(
+                request_id=rid,
+                index=i,
+                prompt_token_ids=tuple(prompt),
+                params=p,
+                seed=seed_for(self.seed, rid, p.seed),
+                max_tokens=min(p.max_tokens, self.max_model_len - len(prompt)),
+            )
+            seqs.append(seq)
+            self.engine.add(seq)
+
+        bar = _progress(len(seqs)) if use_tqdm else None
+        while self.engine.has_unfinished():
+            done = self.engine.step()
+            if bar is not None and done:
+                bar.update(len(done))
+        if bar is not None:
+            bar.close()
+        return [
+            RequestOutput(
+                request_id=s.request_id,
+                prompt_token_ids=list(s.prompt_token_ids),
+                outputs=[
+                    CompletionOutput(
+                        index=0,
+                        token_ids=list(s.output_token_ids),
+                        cumulative_logprob=s.cumulative_logprob,
+                        finish_reason=s.finish_reason.value,
+                    )
+                ],
+            )
+            for s in seqs
+        ]
+
+    def _validate_prompt(self, i: int, prompt: list[int]) -> None:
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty: a prompt needs at least one token")
+        vocab = self.backend.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"prompt {i} has {len(prompt)} tokens; it must be shorter than "
+                f"max_model_len={self.max_model_len} (room for at least one output token; "
+                f"the KV pool holds {self.num_gpu_blocks} blocks of {self.block_size} tokens)"
+            )
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> dict:
+        """Counters since construction (or ``reset_stats``); see ``stats.py``."""
+        sched = self.engine.scheduler
+        c = sched.counters
+        out = self.engine.stats.summary()
+        out.update(
+            kv_cache=self.kv_cache,
+            block_size=self.block_size,
+            bytes_per_block=self.runner.bytes_per_block,
+            preemption_mode=sched.config.preemption_mode,
+            preemptions={"recompute": c.preemptions["recompute"], "swap": c.preemptions["swap"]},
+            num_preemptions=sum(c.preemptions.values()),
+            swap_outs=c.swap_outs,
+            swap_ins=c.swap_ins,
+            blocks_swapped_out=c.blocks_swapped_out,
+            blocks_swapped_in=c.blocks_swapped_in,
+            swap_fallbacks=c.swap_fallbacks,
+            compiles=self.runner.traces["prefill"] + self.runner.traces["decode"],
+            traces=dict(self.runner.traces),
+        )
+        return out
+
+    def reset_stats(self) -> None:
+        """Start counting afresh (e.g. after a warm-up run); compiles are kept."""
+        from paged_jax.engine.scheduler import SchedulerCounters
+        from paged_jax.engine.stats import EngineStats
+
+        self.engine.scheduler.counters = SchedulerCounters()
+        self.engine.stats = EngineStats(block_size=self.block_size, num_blocks=self.num_gpu_blocks)
+
+
+def _bytes_per_block(backend: ModelBackend) -> int:
+    import functools
+
+    import jax
+    import numpy as np
+
+    one = jax.eval_shape(functools.partial(backend.init_pages, 1))
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(one))
+
+
+def _normalise_prompts(prompts) -> list[list[int]]:
+    if isinstance(prompts, dict) or (isinstance(prompts, Seq) and prompts and isinstance(prompts[0], numbers.Integral)):
+        prompts = [prompts]
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, dict):
+            if "prompt_token_ids" not in p:
+                raise ValueError(f"prompt {i}: a dict prompt needs 'prompt_token_ids'")
+            p = p["prompt_token_ids"]
+        if isinstance(p, str):
+            raise ValueError(f"prompt {i} is a string: this engine has no tokenizer; pass token ids")
+        out.append([int(t) for t in p])
+    return out
+
+
+def _progress(total: int):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is an optional extra
+        return None
+    return tqdm(total=total, desc="generate", unit="req")

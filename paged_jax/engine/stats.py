@@ -1,0 +1,70 @@
+"""Per-step measurements and the summary ``LLM.stats()`` returns.
+
+KV utilisation of a step = tokens whose K/V are held / token slots the cache is charged
+for (paged: slots of allocated blocks; static: slots of reserved blocks), measured after
+the step's appends and before finished sequences are released. The summary averages it
+over steps (each step weighs the same: a time average in units of steps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class EngineStats:
+    block_size: int
+    num_blocks: int
+    steps: int = 0
+    generated_tokens: int = 0
+    prompt_tokens_computed: int = 0  # tokens fed through prefill (recompute included)
+    step_seconds: float = 0.0
+    batch_sum: int = 0
+    peak_batch: int = 0
+    util_sum: float = 0.0
+    util_steps: int = 0
+    peak_charged_blocks: int = 0
+    peak_allocated_blocks: int = 0
+    charged_blocks_sum: int = 0
+
+    def record_step(
+        self,
+        *,
+        batch: int,
+        generated: int,
+        prefilled: int,
+        tokens_held: int,
+        allocated_blocks: int,
+        charged_blocks: int,
+        seconds: float,
+    ) -> None:
+        """One engine step: ``batch`` sequences ran, ``generated`` tokens were sampled."""
+        self.steps += 1
+        self.generated_tokens += generated
+        self.prompt_tokens_computed += prefilled
+        self.step_seconds += seconds
+        self.batch_sum += batch
+        self.peak_batch = max(self.peak_batch, batch)
+        self.peak_allocated_blocks = max(self.peak_allocated_blocks, allocated_blocks)
+        self.peak_charged_blocks = max(self.peak_charged_blocks, charged_blocks)
+        self.charged_blocks_sum += charged_blocks
+        if charged_blocks:
+            self.util_sum += tokens_held / (charged_blocks * self.block_size)
+            self.util_steps += 1
+
+    def summary(self) -> dict:
+        steps = max(self.steps, 1)
+        return {
+            "steps": self.steps,
+            "generated_tokens": self.generated_tokens,
+            "prefill_tokens": self.prompt_tokens_computed,
+            "seconds": self.step_seconds,
+            "tokens_per_s": self.generated_tokens / self.step_seconds if self.step_seconds else 0.0,
+            "mean_running_batch": self.batch_sum / steps,
+            "peak_running_batch": self.peak_batch,
+            "kv_utilization": self.util_sum / self.util_steps if self.util_steps else 0.0,
+            "peak_blocks_used": self.peak_charged_blocks,
+            "peak_blocks_allocated": self.peak_allocated_blocks,
+            "mean_blocks_used": self.charged_blocks_sum / steps,
+            "num_blocks": self.num_blocks,
+        }

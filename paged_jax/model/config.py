@@ -1,0 +1,266 @@
+"""Frozen, validated description of a Llama-family decoder (Llama, Qwen2, Mistral).
+
+A bad value raises ``ValueError`` naming the field and what is allowed, at construction
+time. ``ModelConfig`` is hashable, so it can be a static argument or closed over by jit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax.numpy as jnp
+
+from paged_jax.kv.pages import canonical_dtype
+
+# Hugging Face architecture name -> its config.json model_type.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
+}
+_BY_MODEL_TYPE = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+_DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+                "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent RoPE scaling (``rope_type: "llama3"``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+    rope_type: str = "llama3"
+
+    def __post_init__(self):
+        if self.rope_type != "llama3":
+            raise ValueError(f"rope_scaling.rope_type={self.rope_type!r}: only 'llama3' is supported")
+        if not self.factor > 0:
+            raise ValueError(f"rope_scaling.factor={self.factor}: must be > 0")
+        if not self.high_freq_factor > self.low_freq_factor > 0:
+            raise ValueError(
+                f"rope_scaling: need high_freq_factor ({self.high_freq_factor}) > "
+                f"low_freq_factor ({self.low_freq_factor}) > 0"
+            )
+        if self.original_max_position_embeddings < 1:
+            raise ValueError("rope_scaling.original_max_position_embeddings must be >= 1")
+
+
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r}: must be a positive int")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder.
+
+    Attributes:
+      vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads,
+        head_dim: sizes; num_heads must be a multiple of num_kv_heads (MHA/GQA/MQA).
+      rope_theta: RoPE base. rope_scaling: ``RopeScaling`` (llama3) or None.
+      rms_norm_eps: RMSNorm epsilon.
+      max_position_embeddings: longest sequence the model accepts.
+      sliding_window: Mistral/Qwen2 sliding-window size, or None. Sliding-window
+        attention is not implemented: sequences are capped at this length
+        (``max_seq_len``), where it is exact full attention.
+      tie_word_embeddings: the LM head reuses the embedding matrix.
+      attention_bias: q/k/v projections have biases (Qwen2; Llama with attention_bias).
+      attention_out_bias: o_proj has a bias (Llama with attention_bias; not Qwen2).
+      architecture: the HF architecture name (one of ``SUPPORTED_ARCHITECTURES``).
+      dtype: parameter and compute dtype name: "float32", "bfloat16" or "float16".
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    sliding_window: int | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    attention_out_bias: bool = False
+    architecture: str = "LlamaForCausalLM"
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            _positive(name, getattr(self, name))
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim}: RoPE needs an even head_dim")
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta={self.rope_theta}: must be > 0")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps={self.rms_norm_eps}: must be > 0")
+        if self.sliding_window is not None:
+            _positive("sliding_window", self.sliding_window)
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(_unsupported(self.architecture))
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype={self.dtype!r}: choose 'float32', 'bfloat16' or 'float16'")
+
+    # ------------------------------------------------------------------ derived
+
+    @property
+    def jnp_dtype(self) -> jnp.dtype:
+        return canonical_dtype(self.dtype)
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest sequence this implementation runs exactly (positions 0..max_seq_len-1)."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
+
+    def kv_bytes_per_token(self, dtype: Any = None) -> int:
+        """Bytes of K + V per token over all layers: 2 * L * Hkv * D * itemsize.
+
+        ``dtype`` is the KV page dtype; defaults to the model dtype.
+        """
+        itemsize = canonical_dtype(self.dtype if dtype is None else dtype).itemsize
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (the tied LM head counted once)."""
+        h, d = self.hidden_size, self.head_dim
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        attn = h * q + 2 * h * kv + q * h
+        if self.attention_bias:
+            attn += q + 2 * kv
+        if self.attention_out_bias:
+            attn += h
+        layer = attn + 3 * h * self.intermediate_size + 2 * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + self.num_layers * layer + h + head
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ Hugging Face
+
+    @classmethod
+    def from_hf(cls, path_or_dict: str | os.PathLike | dict, *, dtype: str | None = None) -> ModelConfig:
+        """Read a Hugging Face ``config.json`` (a directory, the file, or its dict).
+
+        Understands both the transformers 4 keys (``rope_theta``, ``rope_scaling``,
+        ``torch_dtype``) and the transformers 5 ones (``rope_parameters``, ``dtype``).
+        ``dtype`` overrides the checkpoint's dtype.
+
+        Raises ValueError for an unsupported architecture (naming it and the supported
+        ones) or a feature this implementation lacks (other activations, mlp bias, other
+        RoPE scalings, per-layer sliding windows on some layers only).
+        """
+        hf = _read_json(path_or_dict)
+        arch = _architecture(hf)
+        model_type = SUPPORTED_ARCHITECTURES[arch]
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={hf['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
+        if hf.get("mlp_bias", False):
+            raise ValueError("mlp_bias=True is not supported")
+
+        rope = dict(hf.get("rope_parameters") or {})
+        theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        scaling = hf.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
+        rope_scaling = _rope_scaling(scaling)
+
+        num_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        bias = bool(hf.get("attention_bias", False))
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rope_theta=theta,
+            rope_scaling=rope_scaling,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            sliding_window=_sliding_window(hf, model_type),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # Qwen2 hard-codes bias on q/k/v and none on o_proj; Llama's flag sets all four.
+            attention_bias=True if model_type == "qwen2" else bias,
+            attention_out_bias=False if model_type == "qwen2" else bias,
+            architecture=arch,
+            dtype=_dtype_name(dtype or hf.get("dtype") or hf.get("torch_dtype") or "float32"),
+        )
+
+
+def _unsupported(arch) -> str:
+    return (
+        f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _read_json(path_or_dict) -> dict:
+    if isinstance(path_or_dict, dict):
+        return path_or_dict
+    path = os.fspath(path_or_dict)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _architecture(hf: dict) -> str:
+    archs = hf.get("architectures") or []
+    if archs:
+        if archs[0] not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(_unsupported(archs[0]))
+        return archs[0]
+    model_type = hf.get("model_type")
+    if model_type not in _BY_MODEL_TYPE:
+        raise ValueError(_unsupported(model_type))
+    return _BY_MODEL_TYPE[model_type]
+
+
+def _rope_scaling(scaling: dict) -> RopeScaling | None:
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ValueError(f"rope scaling type {kind!r} is not supported (only 'llama3' or none)")
+    return RopeScaling(
+        factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling["low_freq_factor"]),
+        high_freq_factor=float(scaling["high_freq_factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+    )
+
+
+def _sliding_window(hf: dict, model_type: str) -> int | None:
+    window = hf.get("sliding_window")
+    if window is None:
+        return None
+    if model_type == "qwen2" and not hf.get("use_sliding_window", False):
+        return None  # Qwen2 only applies its window when use_sliding_window is set
+    if model_type == "qwen2":
+        layer_types = hf.get("layer_types") or []
+        if layer_types and len(set(layer_types)) > 1:
+            raise ValueError("sliding-window attention on some layers only is not supported")
+    return int(window)
+
+
+def _dtype_name(dtype) -> str:
+    name = dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
+    if name not in _DTYPE_NAMES:
+        raise ValueError(f"dtype={dtype!r}: choose float32, bfloat16 or float16")
+    return _DTYPE_NAMES[name]

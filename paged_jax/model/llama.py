@@ -1,0 +1,285 @@
+"""A Llama-family decoder (Llama 2/3, Qwen2, Mistral) in Flax NNX, cache-agnostic.
+
+The module computes projections, RoPE, MLPs and norms; what happens to each layer's new
+K/V and how attention reads the past is an ``AttendFn`` passed in by the caller:
+
+    attend(kv, layer, q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, D]) -> (out [B, T, Hq, D], kv)
+
+``kv`` is whatever cache the backend threads through the layers (a ``KVPages``, a
+contiguous cache, or nothing). Three backends live here: ``dense_attend`` (no cache, full
+causal attention: the test oracle), ``make_paged_attend`` (write through the slot
+mapping, attend through the block tables via ``attention.dispatch``) and
+``make_contiguous_attend`` (a ``[L, B, max_len]`` cache: the non-paged baseline).
+
+Hot loops never call the module directly: they ``nnx.split`` it once and run a pure
+function ``f(graphdef, params, ...)`` under plain ``jax.jit`` (``forward`` below), which
+merges at trace time only; ``nnx.jit`` costs ~0.3 ms a call.
+
+Parameter names mirror Hugging Face's (``model.layers.{i}.self_attn.q_proj`` becomes
+``layers[i].self_attn.q_proj``); ``nnx.Linear`` kernels are ``[in, out]``, the transpose
+of HF's ``weight``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from paged_jax.attention import dense_causal_attention, dispatch
+from paged_jax.kv.pages import KVPages, write_tokens
+from paged_jax.model.config import ModelConfig
+
+AttendFn = Callable[[Any, int, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
+
+# --------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """float32[head_dim // 2] inverse frequencies, llama3 scaling applied (as HF computes
+    them: in float32, from ``rope_theta ** (2i / head_dim)``)."""
+    d = config.head_dim
+    exponent = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
+    inv_freq = (np.float32(1.0) / (np.float32(config.rope_theta) ** exponent)).astype(np.float32)
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * np.pi / inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the middle band blended.
+    scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, blended, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate ``x: [B, T, H, D]`` by ``positions: int32[B, T]`` (HF's rotate-half layout:
+    pairs are ``(i, i + D/2)``). Computed in fp32, returned in x.dtype."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, D]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+# --------------------------------------------------------------------------- layers
+
+
+class RMSNorm(nnx.Module):
+    """``weight * x / rms(x)``, normalised in fp32 and cast back before the scale (as HF)."""
+
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * xf.astype(x.dtype)
+
+
+def _linear(cfg: ModelConfig, din: int, dout: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
+    dtype = cfg.jnp_dtype
+    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+
+class Attention(nnx.Module):
+    """GQA self-attention projections + RoPE; the cache work is the ``attend`` callback's."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = _linear(cfg, h, cfg.num_heads * d, cfg.attention_bias, rngs)
+        self.k_proj = _linear(cfg, h, cfg.num_kv_heads * d, cfg.attention_bias, rngs)
+        self.v_proj = _linear(cfg, h, cfg.num_kv_heads * d, cfg.attention_bias, rngs)
+        self.o_proj = _linear(cfg, cfg.num_heads * d, h, cfg.attention_out_bias, rngs)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+
+    def __call__(self, x, positions, inv_freq, kv, layer: int, attend: AttendFn):
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        out, kv = attend(kv, layer, q, k, v)
+        return self.o_proj(out.astype(x.dtype).reshape(b, t, -1)), kv
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _linear(cfg, h, i, False, rngs)
+        self.up_proj = _linear(cfg, h, i, False, rngs)
+        self.down_proj = _linear(cfg, i, h, False, rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dtype = cfg.jnp_dtype
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, positions, inv_freq, kv, layer: int, attend: AttendFn):
+        attn, kv = self.self_attn(self.input_layernorm(x), positions, inv_freq, kv, layer, attend)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Embedding, ``num_layers`` decoder layers, final norm, LM head (tied or not)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        dtype = config.jnp_dtype
+        self.embed_tokens = nnx.Embed(
+            config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
+        )
+        self.layers = nnx.List([DecoderLayer(config, rngs) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = (
+            None if config.tie_word_embeddings
+            else _linear(config, config.hidden_size, config.vocab_size, False, rngs)
+        )
+
+    def __call__(self, tokens, positions, kv, attend: AttendFn):
+        """Final-normed hidden states of ``tokens``.
+
+        Args:
+          tokens: int32[B, T] (ids must be in [0, vocab); out-of-range ids are clamped).
+          positions: int32[B, T] absolute positions (RoPE).
+          kv: the backend's cache, threaded through ``attend`` layer by layer.
+
+        Returns (hidden [B, T, hidden_size] in the model dtype, kv).
+        """
+        inv_freq = rope_inv_freq(self.config)
+        x = self.embed_tokens(tokens)
+        for i, layer in enumerate(self.layers):
+            x, kv = layer(x, positions, inv_freq, kv, i, attend)
+        return self.norm(x), kv
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """float32[..., vocab] from final-normed hidden states (computed in the model dtype)."""
+        if self.lm_head is None:
+            out = self.embed_tokens.attend(hidden)
+        else:
+            out = self.lm_head(hidden)
+        return out.astype(jnp.float32)
+
+
+def init_params(config: ModelConfig, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
+    """Random weights (flax default initialisers): ``(graphdef, params)`` from ``nnx.split``."""
+    return nnx.split(LlamaForCausalLM(config, rngs=nnx.Rngs(seed)))
+
+
+# --------------------------------------------------------------------------- backends
+
+
+def dense_attend(kv, layer, q, k, v):
+    """No cache: full causal attention of the T tokens over themselves (``kv`` unused)."""
+    del layer
+    return dense_causal_attention(q, k, v), kv
+
+
+class PagedContext(NamedTuple):
+    """What every layer of a paged step shares (from ``append_slots`` and the cache state)."""
+
+    slot_mapping: jax.Array  # int32[B, T]; physical slot per new token, -1 for padding
+    block_tables: jax.Array  # int32[B, P]; the batch rows' block tables (after the append)
+    lengths: jax.Array  # int32[B]; KV length including the new tokens; 0 for padding rows
+    q_lens: jax.Array  # int32[B]; new tokens per row (<= T)
+
+
+def make_paged_attend(ctx: PagedContext, *, impl: str = "auto", decode: bool = False) -> AttendFn:
+    """Backend over ``kv = KVPages`` (all layers): write the layer's new K/V through the
+    slot mapping, then attend through the block tables. ``decode`` (T == 1) uses the
+    decode kernel, otherwise the chunk kernel."""
+
+    def attend(pages: KVPages, layer: int, q, k, v):
+        pages = write_tokens(pages, ctx.slot_mapping, k, v, layer=layer)
+        k_pages, v_pages = pages.k[layer], pages.v[layer]
+        if decode:
+            out = dispatch.paged_attention(
+                q[:, 0], k_pages, v_pages, ctx.block_tables, ctx.lengths, impl=impl
+            )[:, None]
+        else:
+            out = dispatch.paged_attention_chunk(
+                q, k_pages, v_pages, ctx.block_tables, ctx.lengths, ctx.q_lens, impl=impl
+            )
+        return out, pages
+
+    return attend
+
+
+class ContiguousKV(NamedTuple):
+    """A non-paged cache: every sequence owns ``max_len`` contiguous slots."""
+
+    k: jax.Array  # [num_layers, B, max_len, num_kv_heads, head_dim]
+    v: jax.Array  # [num_layers, B, max_len, num_kv_heads, head_dim]
+
+
+def init_contiguous_kv(config: ModelConfig, batch: int, max_len: int, dtype=None) -> ContiguousKV:
+    """Zero contiguous cache ``[L, batch, max_len, Hkv, D]`` (dtype defaults to the model's)."""
+    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    dtype = config.jnp_dtype if dtype is None else dtype
+    return ContiguousKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def make_contiguous_attend(positions: jax.Array, lengths: jax.Array, q_lens: jax.Array) -> AttendFn:
+    """Backend over ``kv = ContiguousKV``: row b of the batch is cache row b; new tokens
+    go to ``positions[b, t]`` (``t < q_lens[b]``), attention reads ``lengths[b]`` keys."""
+
+    def attend(kv: ContiguousKV, layer: int, q, k, v):
+        b, t = positions.shape
+        max_len = kv.k.shape[2]
+        rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+        real = jnp.arange(t)[None, :] < q_lens[:, None]
+        cols = jnp.where(real, positions, max_len)  # padding tokens are dropped
+        kc = kv.k.at[layer, rows, cols].set(k.astype(kv.k.dtype), mode="drop")
+        vc = kv.v.at[layer, rows, cols].set(v.astype(kv.v.dtype), mode="drop")
+        out = dense_causal_attention(q, kc[layer], vc[layer], lengths=lengths, q_lens=q_lens)
+        return out, ContiguousKV(kc, vc)
+
+    return attend
+
+
+# --------------------------------------------------------------------------- pure entry points
+
+
+def forward(graphdef, params, tokens, positions, kv, attend: AttendFn):
+    """Pure ``(hidden [B, T, H], kv)`` for ``jax.jit``: merges the module at trace time."""
+    model = nnx.merge(graphdef, params)
+    return model(tokens, positions, kv, attend)
+
+
+def logits_from_hidden(graphdef, params, hidden):
+    """Pure LM head: float32[..., vocab]."""
+    return nnx.merge(graphdef, params).logits(hidden)
+
+
+def dense_forward(graphdef, params, tokens: jax.Array) -> jax.Array:
+    """No-cache forward of whole sequences: float32[B, T, vocab] logits at every position.
+
+    tokens: int32[B, T], positions 0..T-1. The oracle for every cached path.
+    """
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    model = nnx.merge(graphdef, params)
+    hidden, _ = model(tokens, positions, None, dense_attend)
+    return model.logits(hidden)

@@ -1,0 +1,24 @@
+"""Shared test setup: CPU, a persistent compilation cache, invariant checks after every op."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache")
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+from paged_jax.cache import set_debug_checks  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _invariants_after_every_op():
+    """Seed M9: every block-manager op in every test is followed by check_invariants."""
+    previous = set_debug_checks(True)
+    yield
+    set_debug_checks(previous)

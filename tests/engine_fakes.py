@@ -1,0 +1,80 @@
+"""A tiny fake model obeying the step-function contract, for fast scheduler tests.
+
+It stores each token's id (K) and position (V) in the real KV page store through the
+real block manager, and its logits are a chaotic function of everything the sequence's
+table row holds, read back through the block table. So any KV the engine loses, misplaces
+or corrupts (a bad swap, a leaked or reused block, a wrong length) changes the sampled
+tokens, while the arithmetic is identical whether a token arrived by prefill, decode,
+recompute or swap-in (the readout always reduces the same fixed-size row in the same
+order), so outputs must match bit for bit across memory pressure.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from paged_jax import kv
+from paged_jax.cache import append_slots
+from paged_jax.engine import ModelBackend
+
+VOCAB = 48
+
+
+def _readout(pages, state, seq_ids):
+    """logits f32[B, VOCAB] from every token each row holds (masked to its length)."""
+    safe = jnp.maximum(seq_ids, 0)
+    rows = jnp.maximum(state.block_tables[safe], 0)  # [B, P]
+    bs = pages.block_size
+    toks = pages.k[0, 0][rows][..., 0].reshape(rows.shape[0], -1)  # [B, P * bs]
+    pos = pages.v[0, 0][rows][..., 0].reshape(rows.shape[0], -1)
+    idx = jnp.arange(toks.shape[1])
+    held = idx[None, :] < state.seq_lens[safe][:, None]
+    # Position must match the slot's logical index, or the KV is misplaced.
+    consistent = jnp.where(held, pos == idx[None, :], True).all(axis=1)
+    weight = jnp.cos(idx * 0.37) + 1.5
+    feat = jnp.where(held, toks * weight, 0.0).sum(axis=1) + state.seq_lens[safe] * 0.1
+    v = jnp.arange(VOCAB, dtype=jnp.float32)
+    logits = jnp.sin(feat[:, None] * (v + 1) * 0.0137 + 0.5 * v) * 4.0
+    del bs
+    return jnp.where(consistent[:, None], logits, jnp.nan)
+
+
+def _append(params, state, pages, tokens, seq_ids, num_tokens):
+    del params
+    width = tokens.shape[1]
+    old_lens = state.seq_lens[jnp.maximum(seq_ids, 0)]
+    state, res = append_slots(state, seq_ids, num_tokens, max_tokens=width)
+    pages = kv.copy_blocks(pages, res.copy_src, res.copy_dst)
+    k_new = (tokens + 1).astype(jnp.float32)[None, :, :, None, None]  # [L=1, B, T, H=1, D=1]
+    pos = (old_lens[:, None] + jnp.arange(width)[None, :]).astype(jnp.float32)
+    v_new = pos[None, :, :, None, None]
+    pages = kv.write_tokens(pages, res.slot_mapping, k_new, v_new)
+    # Logits at each row's last new token = a function of the whole row after the append.
+    return _readout(pages, state, seq_ids), state, pages, res.status
+
+
+def fake_prefill(params, state, pages, tokens, seq_ids, num_tokens):
+    return _append(params, state, pages, tokens, seq_ids, num_tokens)
+
+
+def fake_decode(params, state, pages, tokens, seq_ids):
+    return _append(params, state, pages, tokens[:, None], seq_ids, (seq_ids >= 0).astype(jnp.int32))
+
+
+@functools.cache  # one backend per setting: engines share its compiled steps
+def fake_backend(block_size: int = 4, eos_token_id: int | None = None, max_position: int | None = 256) -> ModelBackend:
+    return ModelBackend(
+        prefill=jax.jit(fake_prefill, donate_argnums=(1, 2)),
+        decode=jax.jit(fake_decode, donate_argnums=(1, 2)),
+        params={},
+        init_pages=lambda num_blocks: kv.init_pages(1, 1, num_blocks, block_size, 1),
+        read_blocks=kv.read_blocks,
+        write_blocks=kv.write_blocks,
+        vocab_size=VOCAB,
+        eos_token_id=eos_token_id,
+        max_position=max_position,
+        name="fake",
+    )

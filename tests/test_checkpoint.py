@@ -1,0 +1,174 @@
+"""Hugging Face checkpoints: our loader + model reproduce transformers' logits and greedy
+tokens (fixtures made by scripts/make_hf_fixtures.py), and bad checkpoints fail clearly."""
+
+import functools
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from paged_jax import CacheConfig
+from paged_jax.cache import init_state, open_sequences, raise_for_status
+from paged_jax.model import CheckpointError, ModelConfig, dense_forward, load_model, save_params
+from paged_jax.steps import init_pages_for, make_step_fns, pad_batch
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+NAMES = ("llama", "qwen2", "mistral")
+ATOL = 1e-4
+T = 16  # every prompt is padded to this length: one compiled shape per model
+
+
+def _expected(name):
+    return np.load(os.path.join(FIXTURES, name, "expected.npz"))
+
+
+@functools.cache
+def _load(name):
+    return load_model(os.path.join(FIXTURES, name), dtype=jnp.float32)
+
+
+def test_fixture_metadata_records_versions():
+    with open(os.path.join(FIXTURES, "metadata.json")) as f:
+        meta = json.load(f)
+    assert meta["transformers"] and meta["torch"]
+    assert meta["fixtures"]["llama"]["sharded"] and meta["fixtures"]["mistral"]["saved_dtype"] == "bfloat16"
+    assert os.path.exists(os.path.join(FIXTURES, "llama", "model.safetensors.index.json"))
+
+
+def test_configs_parsed_from_hf():
+    llama, qwen2, mistral = (_load(n)[0] for n in NAMES)
+    assert llama.architecture == "LlamaForCausalLM" and llama.rope_scaling.factor == 8.0
+    assert (llama.num_heads, llama.num_kv_heads) == (4, 2) and not llama.tie_word_embeddings
+    assert qwen2.attention_bias and not qwen2.attention_out_bias and qwen2.tie_word_embeddings
+    assert mistral.num_kv_heads == 1 and mistral.sliding_window == 4096 and mistral.max_seq_len == 128
+    native, _, params = load_model(os.path.join(FIXTURES, "mistral"))  # the checkpoint's own dtype
+    assert native.dtype == "bfloat16"
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
+    upcast = _load("mistral")[2]
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(upcast)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b))  # exact upcast
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dense_logits_match_transformers(name):
+    config, graphdef, params = _load(name)
+    exp = _expected(name)
+    prompts = [exp["prompt_0"], exp["prompt_1"]]
+    tokens = np.zeros((2, T), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    logits = np.asarray(jax.jit(functools.partial(dense_forward, graphdef))(params, tokens))
+    for i, p in enumerate(prompts):
+        np.testing.assert_allclose(logits[i, : len(p)], exp[f"logits_{i}"], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_paged_greedy_decoding_matches_transformers(name):
+    """Prefill both prompts in one batch, then 8 greedy steps through the paged cache."""
+    config, _, params = _load(name)
+    exp = _expected(name)
+    steps = exp["greedy_0"].shape[0]
+    cc = CacheConfig(num_blocks=16, block_size=4, max_seqs=4, max_blocks_per_seq=8)
+    fns = make_step_fns(config, attention_impl="xla")
+    state, pages = init_state(cc, "random"), init_pages_for(config, cc)
+    ids = np.array([2, 0], np.int32)
+    state, status = open_sequences(state, jnp.asarray(ids))
+    batch = pad_batch(ids, [exp["prompt_0"], exp["prompt_1"]], batch_buckets=[2], length_buckets=[T])
+    logits, state, pages, status = fns.prefill(params, state, pages, *batch)
+    raise_for_status("prefill", ids, status)
+    for i in range(2):
+        np.testing.assert_allclose(np.asarray(logits[i]), exp[f"logits_{i}"][-1], atol=ATOL, rtol=0)
+    got_tokens = []
+    for step in range(steps):
+        logits = np.asarray(logits)
+        for i in range(2):
+            np.testing.assert_allclose(logits[i], exp[f"greedy_logits_{i}"][step], atol=ATOL, rtol=0)
+        nxt = logits.argmax(-1).astype(np.int32)
+        got_tokens.append(nxt)
+        logits, state, pages, status = fns.decode(params, state, pages, jnp.asarray(nxt), jnp.asarray(ids))
+        raise_for_status("decode", ids, status)
+    got_tokens = np.stack(got_tokens, axis=1)
+    for i in range(2):
+        np.testing.assert_array_equal(got_tokens[i], exp[f"greedy_{i}"])
+
+
+# --------------------------------------------------------------------------- bad checkpoints
+
+
+@pytest.fixture
+def qwen2_copy(tmp_path):
+    target = tmp_path / "qwen2"
+    shutil.copytree(os.path.join(FIXTURES, "qwen2"), target)
+    return target
+
+
+def _edit_config(path, **changes):
+    with open(path / "config.json") as f:
+        hf = json.load(f)
+    hf.update(changes)
+    with open(path / "config.json", "w") as f:
+        json.dump(hf, f)
+
+
+def _edit_tensors(path, fn):
+    tensors = load_file(str(path / "model.safetensors"))
+    fn(tensors)
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+def test_unsupported_architecture_names_it_and_the_supported_ones(qwen2_copy):
+    _edit_config(qwen2_copy, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM"):
+        load_model(qwen2_copy)
+
+
+def test_missing_tensor_is_named(qwen2_copy):
+    _edit_tensors(qwen2_copy, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.1.mlp.up_proj.weight'"):
+        load_model(qwen2_copy)
+
+
+def test_wrong_shape_names_tensor_and_both_shapes(qwen2_copy):
+    _edit_config(qwen2_copy, intermediate_size=80)
+    with pytest.raises(CheckpointError, match=r"'model.layers.0.mlp.down_proj.weight' has shape \(64, 96\); the config implies \(64, 80\)"):
+        load_model(qwen2_copy)
+
+
+def test_dtype_mismatch_names_tensor(qwen2_copy):
+    def to_fp16(t):
+        t["model.norm.weight"] = t["model.norm.weight"].astype(np.float16)
+
+    _edit_tensors(qwen2_copy, to_fp16)
+    with pytest.raises(CheckpointError, match=r"'model.norm.weight' has dtype float16 but config.json declares float32"):
+        load_model(qwen2_copy)
+
+
+def test_integer_tensor_rejected(qwen2_copy):
+    def to_int(t):
+        t["model.norm.weight"] = t["model.norm.weight"].astype(np.int32)
+
+    _edit_tensors(qwen2_copy, to_int)
+    with pytest.raises(CheckpointError, match=r"'model.norm.weight' has dtype I32"):
+        load_model(qwen2_copy)
+
+
+def test_no_weights_at_all(tmp_path):
+    shutil.copy(os.path.join(FIXTURES, "qwen2", "config.json"), tmp_path / "config.json")
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        load_model(tmp_path)
+
+
+def test_save_params_round_trip(tmp_path):
+    config, _, params = _load("qwen2")
+    save_params(tmp_path, params)
+    shutil.copy(os.path.join(FIXTURES, "qwen2", "config.json"), tmp_path / "config.json")
+    config2, _, params2 = load_model(tmp_path, dtype=jnp.float32)
+    assert config2 == config
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert ModelConfig.from_hf(tmp_path).num_params == sum(x.size for x in jax.tree.leaves(params))

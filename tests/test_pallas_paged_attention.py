@@ -1,0 +1,444 @@
+"""Interpret-mode (CPU) tests of the Pallas paged-attention kernels against jnp references.
+
+Every case builds a fresh random pool whose physical blocks are handed out in a random
+order, optionally shared between sequences (forks), and whose unreferenced slots -- free
+blocks and the unwritten tail of each sequence's last block -- are poisoned with NaN, so
+a kernel that reads anything the table does not name (or a slot past a length) fails.
+
+Compilation dominates the runtime (~2 s per distinct interpret-mode kernel), so the
+shapes are few and fixed per configuration; data, lengths and tables vary freely.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels import (
+    default_num_splits,
+    paged_attention,
+    paged_attention_chunk,
+    paged_attention_chunk_reference,
+    paged_attention_reference,
+)
+
+TOLERANCE = {
+    jnp.dtype(jnp.float32): dict(atol=2e-5, rtol=1e-5),
+    jnp.dtype(jnp.bfloat16): dict(atol=2e-2, rtol=2e-2),
+    jnp.dtype(jnp.float16): dict(atol=4e-3, rtol=4e-3),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Pool:
+    k_pages: jax.Array  # [num_kv_heads, num_blocks, block_size, head_dim]
+    v_pages: jax.Array
+    block_tables: jax.Array  # int32[batch, width]
+    lengths: jax.Array  # int32[batch]
+
+
+def make_pool(
+    rng: np.random.Generator,
+    lengths,
+    *,
+    width: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype,
+    num_blocks: int | None = None,
+    fork: bool = False,
+    poison: bool = True,
+    block0_free: bool = False,
+) -> Pool:
+    """Random pool + permuted block tables for the given lengths.
+
+    fork: every odd row shares the full prefix blocks of the row before it (as after a
+      copy-on-write fork) and owns only the rest.
+    poison: every slot that no (row, position < length) names is NaN.
+    block0_free: never hand out physical block 0 (where the kernel's clamped -1 ids point).
+    """
+    lengths = np.asarray(lengths, np.int32)
+    batch = len(lengths)
+    need = -(-lengths // block_size)
+    assert need.max(initial=0) <= width
+    if num_blocks is None:
+        num_blocks = batch * width + 3  # a few blocks that are always free
+    free = [int(i) for i in rng.permutation(num_blocks) if not (block0_free and i == 0)]
+    table = np.full((batch, width), -1, np.int32)
+    for b in range(batch):
+        shared = 0
+        if fork and b % 2 == 1:
+            shared = min(lengths[b], lengths[b - 1]) // block_size  # full blocks only
+            table[b, :shared] = table[b - 1, :shared]
+        for j in range(shared, need[b]):
+            table[b, j] = free.pop()
+    shape = (num_kv_heads, num_blocks, block_size, head_dim)
+    k = rng.standard_normal(shape, np.float32)
+    v = rng.standard_normal(shape, np.float32)
+    if poison:
+        named = np.zeros((num_blocks, block_size), bool)
+        for b in range(batch):
+            pos = np.arange(lengths[b])
+            named[table[b, pos // block_size], pos % block_size] = True
+        k[:, ~named] = np.nan
+        v[:, ~named] = np.nan
+    return Pool(jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(table), jnp.asarray(lengths))
+
+
+def assert_close(out, ref, dtype):
+    out = np.asarray(out.astype(jnp.float32))
+    ref = np.asarray(ref.astype(jnp.float32))
+    assert np.isfinite(out).all(), "kernel output has NaN/Inf"
+    assert np.isfinite(ref).all(), "reference output has NaN/Inf"
+    np.testing.assert_allclose(out, ref, **TOLERANCE[jnp.dtype(dtype)])
+
+
+def interesting_lengths(rng, batch: int, width: int, block_size: int) -> np.ndarray:
+    """0, 1, exact block multiples, the table's maximum, and random values."""
+    cap = width * block_size
+    fixed = [0, 1, block_size, 2 * block_size, cap, cap - 1, block_size + 1]
+    rand = rng.integers(1, cap + 1, size=batch)
+    out = np.array((fixed + list(rand))[:batch], np.int32)
+    return rng.permutation(out)
+
+
+# --------------------------------------------------------------------------- decode
+# (dtype, head_dim, block_size, num_q_heads, num_kv_heads, blocks_per_step, num_splits)
+# Together these cover every dtype, head_dim 64/128/256, block sizes 8..128, GQA 1/4/8,
+# one and several splits, and one and several blocks per loop step.
+DECODE_CONFIGS = [
+    (jnp.float32, 64, 8, 2, 2, None, 1),  # GQA 1, default blocks_per_step (16 x 8)
+    (jnp.float32, 64, 16, 8, 2, 2, 3),  # GQA 4, splits that do not divide anything
+    (jnp.float32, 128, 32, 8, 1, 1, 2),  # GQA 8
+    (jnp.bfloat16, 128, 16, 8, 2, 4, 1),
+    (jnp.bfloat16, 128, 64, 16, 2, 1, 4),
+    (jnp.float16, 256, 128, 4, 4, 1, 2),
+    (jnp.bfloat16, 256, 8, 4, 1, 2, 1),
+]
+DECODE_BATCH = 7
+DECODE_WIDTH = 5  # table columns: lengths up to 5 * block_size
+
+
+def _decode_case(rng, dtype, head_dim, block_size, hq, hk, *, lengths=None, **kw):
+    if lengths is None:
+        lengths = interesting_lengths(rng, DECODE_BATCH, DECODE_WIDTH, block_size)
+    pool = make_pool(
+        rng,
+        lengths,
+        width=DECODE_WIDTH,
+        block_size=block_size,
+        num_kv_heads=hk,
+        head_dim=head_dim,
+        dtype=dtype,
+        **kw,
+    )
+    q = jnp.asarray(rng.standard_normal((len(lengths), hq, head_dim)), dtype)
+    return q, pool
+
+
+def _run_decode(q, pool, **kw):
+    return paged_attention(
+        q, pool.k_pages, pool.v_pages, pool.block_tables, pool.lengths, interpret=True, **kw
+    )
+
+
+def _reference_decode(q, pool, **kw):
+    return paged_attention_reference(q, pool.k_pages, pool.v_pages, pool.block_tables, pool.lengths, **kw)
+
+
+@pytest.mark.parametrize("dtype,head_dim,block_size,hq,hk,bps,splits", DECODE_CONFIGS)
+def test_decode_matches_reference(dtype, head_dim, block_size, hq, hk, bps, splits):
+    rng = np.random.default_rng(hash((head_dim, block_size, hq, splits)) % 2**32)
+    for fork in (False, True):  # same shapes: one compilation, two tables
+        q, pool = _decode_case(rng, dtype, head_dim, block_size, hq, hk, fork=fork)
+        out = _run_decode(q, pool, blocks_per_step=bps, num_splits=splits)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        assert_close(out, _reference_decode(q, pool), dtype)
+        zero_rows = np.asarray(pool.lengths) == 0
+        assert zero_rows.any()
+        assert (np.asarray(out, np.float32)[zero_rows] == 0).all()
+
+
+def test_decode_splits_and_steps_agree():
+    """Every (blocks_per_step, num_splits) computes the same attention (fp32, tight)."""
+    rng = np.random.default_rng(1)
+    q, pool = _decode_case(rng, jnp.float32, 64, 16, 8, 2, fork=True)
+    ref = _reference_decode(q, pool)
+    for bps, splits in [(1, 1), (1, 5), (8, 2)]:
+        assert_close(_run_decode(q, pool, blocks_per_step=bps, num_splits=splits), ref, jnp.float32)
+
+
+def test_decode_forked_rows_equal_private_copies():
+    """A row reading shared physical blocks equals the same row on private copies."""
+    rng = np.random.default_rng(2)
+    lengths = [70, 75, 16, 40, 0, 80, 33]  # rows 1, 3, 5 fork rows 0, 2, 4
+    q, shared = _decode_case(
+        rng, jnp.float32, 64, 16, 8, 2, lengths=lengths, fork=True, num_blocks=60, poison=False
+    )
+    table = np.asarray(shared.block_tables).copy()
+    k = np.asarray(shared.k_pages).copy()
+    v = np.asarray(shared.v_pages).copy()
+    used = set(table[table >= 0].tolist())
+    spare = [i for i in range(k.shape[1]) if i not in used]
+    for b in range(1, len(lengths), 2):
+        for j in range(table.shape[1]):
+            if table[b, j] >= 0 and table[b, j] in table[b - 1]:
+                new = spare.pop()
+                k[:, new], v[:, new] = k[:, table[b, j]], v[:, table[b, j]]
+                table[b, j] = new
+    assert (table != np.asarray(shared.block_tables)).any()
+    private = Pool(jnp.asarray(k), jnp.asarray(v), jnp.asarray(table), shared.lengths)
+    np.testing.assert_allclose(
+        _run_decode(q, shared, num_splits=2), _run_decode(q, private, num_splits=2), atol=1e-6, rtol=1e-6
+    )
+
+
+def test_decode_reads_only_named_blocks():
+    """Garbage anywhere the table does not name (incl. block 0, the clamp target of -1)."""
+    rng = np.random.default_rng(3)
+    lengths = [1, 16, 17, 80, 0, 5, 64]
+    q, pool = _decode_case(rng, jnp.float32, 64, 16, 8, 2, lengths=lengths, block0_free=True)
+    assert np.isnan(np.asarray(pool.k_pages)[:, 0]).all()
+    # Also poison with +-inf instead of NaN: 0 * inf must not appear either.
+    k = jnp.where(jnp.isnan(pool.k_pages), jnp.inf, pool.k_pages)
+    v = jnp.where(jnp.isnan(pool.v_pages), -jnp.inf, pool.v_pages)
+    inf_pool = dataclasses.replace(pool, k_pages=k, v_pages=v)
+    ref = _reference_decode(q, pool)
+    for p in (pool, inf_pool):
+        for splits in (1, 3):
+            assert_close(_run_decode(q, p, num_splits=splits), ref, jnp.float32)
+
+
+def test_decode_lengths_beyond_table_are_clamped():
+    rng = np.random.default_rng(4)
+    q, pool = _decode_case(rng, jnp.float32, 64, 16, 8, 2, poison=False, lengths=[80] * DECODE_BATCH)
+    too_long = dataclasses.replace(pool, lengths=pool.lengths + 1000)
+    np.testing.assert_allclose(_run_decode(q, too_long), _run_decode(q, pool), atol=1e-6)
+
+
+def test_decode_scale():
+    rng = np.random.default_rng(5)
+    q, pool = _decode_case(rng, jnp.float32, 64, 16, 8, 2)
+    assert_close(_run_decode(q, pool, scale=0.3), _reference_decode(q, pool, scale=0.3), jnp.float32)
+    # The default is head_dim ** -0.5.
+    assert_close(_run_decode(q, pool), _reference_decode(q, pool, scale=64**-0.5), jnp.float32)
+
+
+@settings(
+    max_examples=15,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    lengths=st.lists(st.integers(0, DECODE_WIDTH * 16), min_size=DECODE_BATCH, max_size=DECODE_BATCH),
+    fork=st.booleans(),
+)
+def test_decode_random_tables_property(seed, lengths, fork):
+    """Random lengths and permuted/forked tables: one compiled shape, many tables."""
+    rng = np.random.default_rng(seed)
+    q, pool = _decode_case(rng, jnp.float32, 64, 16, 8, 2, lengths=lengths, fork=fork)
+    assert_close(
+        _run_decode(q, pool, blocks_per_step=2, num_splits=3), _reference_decode(q, pool), jnp.float32
+    )
+
+
+# ---------------------------------------------------------------------------- chunk
+# (dtype, head_dim, block_size, num_q_heads, num_kv_heads, chunk, block_rows, bps, splits)
+CHUNK_CONFIGS = [
+    (jnp.float32, 64, 8, 2, 2, 5, None, None, 1),  # 5 rows -> one padded 16-row block
+    (jnp.float32, 64, 16, 8, 2, 7, 16, 2, 3),  # 28 rows in two 16-row blocks, splits
+    (jnp.bfloat16, 128, 32, 8, 1, 4, None, 1, 2),  # GQA 8: 32 rows
+    (jnp.float16, 256, 128, 4, 4, 3, None, 1, 1),
+    (jnp.bfloat16, 128, 64, 16, 4, 16, 32, None, 2),  # 64 rows, two row blocks
+]
+CHUNK_BATCH = 6
+CHUNK_WIDTH = 4
+
+
+def _chunk_case(rng, dtype, head_dim, block_size, hq, hk, chunk, *, lengths=None, q_lens=None, **kw):
+    if lengths is None:
+        cap = CHUNK_WIDTH * block_size
+        lengths = rng.permutation(np.array([0, 1, block_size, cap, chunk, cap - 3], np.int32))
+    lengths = np.asarray(lengths, np.int32)
+    if q_lens is None:
+        # 0, the whole chunk, the whole sequence (prefill from empty), and random counts.
+        q_lens = np.minimum(rng.integers(0, chunk + 1, size=len(lengths)), lengths)
+        q_lens[np.argmax(lengths)] = min(chunk, lengths.max())
+        q_lens[lengths == chunk] = chunk
+        q_lens[np.argmin(lengths + (lengths == 0) * 10**6)] = 0
+    pool = make_pool(
+        rng,
+        lengths,
+        width=CHUNK_WIDTH,
+        block_size=block_size,
+        num_kv_heads=hk,
+        head_dim=head_dim,
+        dtype=dtype,
+        **kw,
+    )
+    q = jnp.asarray(rng.standard_normal((len(lengths), chunk, hq, head_dim)), dtype)
+    return q, pool, jnp.asarray(q_lens, jnp.int32)
+
+
+def _run_chunk(q, pool, q_lens, **kw):
+    return paged_attention_chunk(
+        q, pool.k_pages, pool.v_pages, pool.block_tables, pool.lengths, q_lens, interpret=True, **kw
+    )
+
+
+def _reference_chunk(q, pool, q_lens, **kw):
+    return paged_attention_chunk_reference(
+        q, pool.k_pages, pool.v_pages, pool.block_tables, pool.lengths, q_lens, **kw
+    )
+
+
+@pytest.mark.parametrize("dtype,head_dim,block_size,hq,hk,chunk,block_rows,bps,splits", CHUNK_CONFIGS)
+def test_chunk_matches_reference(dtype, head_dim, block_size, hq, hk, chunk, block_rows, bps, splits):
+    rng = np.random.default_rng(hash((head_dim, block_size, hq, chunk)) % 2**32)
+    for fork in (False, True):
+        q, pool, q_lens = _chunk_case(rng, dtype, head_dim, block_size, hq, hk, chunk, fork=fork)
+        out = _run_chunk(q, pool, q_lens, block_rows=block_rows, blocks_per_step=bps, num_splits=splits)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        assert_close(out, _reference_chunk(q, pool, q_lens), dtype)
+        # Rows past q_lens (and every row of a length-0 sequence) are exactly 0.
+        invalid = np.arange(chunk)[None, :] >= np.asarray(q_lens)[:, None]
+        assert invalid.any()
+        assert (np.asarray(out, np.float32)[invalid] == 0).all()
+
+
+def test_chunk_is_causal_decode_at_each_position():
+    """Query t of a chunk == decode attention over the first (its position + 1) tokens."""
+    rng = np.random.default_rng(6)
+    chunk = 7
+    lengths = np.array([60, 7, 16, 33, 80, 1, 9], np.int32)  # DECODE_BATCH rows
+    q_lens = np.minimum(np.array([7, 7, 3, 0, 5, 1, 2], np.int32), lengths)
+    # The decode shapes (width, heads, head_dim) so that the decode kernel is reused.
+    pool = make_pool(
+        rng, lengths, width=DECODE_WIDTH, block_size=16, num_kv_heads=2, head_dim=64, dtype=jnp.float32
+    )
+    q = jnp.asarray(rng.standard_normal((len(lengths), chunk, 8, 64)), jnp.float32)
+    out = np.asarray(_run_chunk(q, pool, jnp.asarray(q_lens), block_rows=16, num_splits=2))
+    for t in range(chunk):
+        valid = t < q_lens
+        prefix = np.where(valid, lengths - q_lens + t + 1, 0).astype(np.int32)
+        dec = _run_decode(q[:, t], dataclasses.replace(pool, lengths=jnp.asarray(prefix)))
+        np.testing.assert_allclose(out[:, t], np.asarray(dec), atol=2e-5, rtol=1e-5)
+
+
+def test_chunk_reads_only_named_blocks_and_clamps_q_lens():
+    rng = np.random.default_rng(7)
+    lengths = np.array([3, 64, 17, 0, 5, 40], np.int32)
+    q, pool, q_lens = _chunk_case(
+        rng, jnp.float32, 64, 16, 8, 2, 7, lengths=lengths, q_lens=np.array([3, 7, 7, 0, 2, 7], np.int32)
+    )
+    ref = _reference_chunk(q, pool, q_lens)
+    assert_close(
+        _run_chunk(q, pool, q_lens, block_rows=16, blocks_per_step=2, num_splits=3), ref, jnp.float32
+    )
+    # q_lens larger than the chunk or than the sequence mean "all of them".
+    big = jnp.asarray([100, 100, 100, 5, 100, 100], jnp.int32)
+    assert_close(
+        _run_chunk(q, pool, big, block_rows=16, blocks_per_step=2, num_splits=3),
+        _reference_chunk(q, pool, jnp.minimum(jnp.minimum(big, 7), pool.lengths)),
+        jnp.float32,
+    )
+
+
+# ----------------------------------------------------------------------------- misc
+def test_default_num_splits_fills_the_gpu():
+    assert default_num_splits(1, 4, 512) == 1  # short context: never split
+    assert default_num_splits(256, 4, 32768) == 1  # 1024 programs already
+    s = default_num_splits(1, 4, 32768)
+    assert 4 * s >= 100 and s <= 64
+    assert default_num_splits(8, 4, 4096) == 4  # 32 programs x 4, 1024 tokens each
+
+
+S = jax.ShapeDtypeStruct
+GOOD = dict(
+    q=S((2, 8, 64), jnp.float32),
+    k=S((2, 10, 16, 64), jnp.float32),
+    bt=S((2, 4), jnp.int32),
+    lengths=S((2,), jnp.int32),
+)
+
+
+def _decode_eval(q=GOOD["q"], k=GOOD["k"], v=None, bt=GOOD["bt"], lengths=GOOD["lengths"], **kw):
+    v = k if v is None else v
+    return jax.eval_shape(lambda *a: paged_attention(*a, interpret=True, **kw), q, k, v, bt, lengths)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(q=S((2, 8, 96), jnp.float32), k=S((2, 10, 16, 96), jnp.float32)), "head_dim"),
+        (dict(q=S((2, 8, 32), jnp.float32), k=S((2, 10, 16, 32), jnp.float32)), "head_dim"),
+        (dict(k=S((2, 10, 16, 128), jnp.float32)), "head_dim"),
+        (dict(k=S((2, 10, 4, 64), jnp.float32)), "block_size"),
+        (dict(k=S((2, 10, 256, 64), jnp.float32)), "block_size"),
+        (dict(k=S((2, 10, 24, 64), jnp.float32)), "block_size"),
+        (dict(k=S((3, 10, 16, 64), jnp.float32)), "multiple"),
+        (dict(q=S((2, 8, 64), jnp.int8), k=S((2, 10, 16, 64), jnp.int8)), "dtype"),
+        (dict(v=S((2, 10, 16, 64), jnp.bfloat16)), "dtype"),
+        (dict(v=S((2, 11, 16, 64), jnp.float32)), "same shape"),
+        (dict(k=S((10, 16, 64), jnp.float32)), "num_kv_heads"),
+        (dict(bt=S((3, 4), jnp.int32)), "block_tables"),
+        (dict(bt=S((2, 4), jnp.int16)), "int32"),
+        (dict(lengths=S((2,), jnp.float32)), "lengths"),
+        (dict(lengths=S((3,), jnp.int32)), "lengths"),
+        (dict(blocks_per_step=3), "power of two"),
+        (dict(blocks_per_step=32), "tokens per step"),
+        (dict(k=S((2, 10, 8, 64), jnp.float32), blocks_per_step=1), "tokens per step"),
+        (dict(num_splits=0), "num_splits"),
+        (dict(num_warps=3), "num_warps"),
+        (dict(q=S((2, 256, 64), jnp.float32), k=S((2, 10, 16, 64), jnp.float32)), "kv head"),
+    ],
+)
+def test_decode_value_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _decode_eval(**kwargs)
+
+
+def test_decode_valid_shapes_pass_validation():
+    assert _decode_eval().shape == (2, 8, 64)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(q=S((2, 8, 64), jnp.float32)), "chunk"),
+        (dict(block_rows=8), "block_rows"),
+        (dict(block_rows=48), "block_rows"),
+        (dict(q_lens=S((2,), jnp.int16)), "q_lens"),
+        (dict(q_lens=S((1,), jnp.int32)), "q_lens"),
+        (dict(q=S((2, 3, 8, 128), jnp.float32)), "head_dim"),
+    ],
+)
+def test_chunk_value_errors(kwargs, match):
+    args = dict(
+        q=S((2, 3, 8, 64), jnp.float32),
+        k=GOOD["k"],
+        bt=GOOD["bt"],
+        lengths=GOOD["lengths"],
+        q_lens=S((2,), jnp.int32),
+    )
+    tuning = {n: kwargs.pop(n) for n in list(kwargs) if n not in args}
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(
+            lambda q, k, bt, lengths, q_lens: paged_attention_chunk(
+                q, k, k, bt, lengths, q_lens, interpret=True, **tuning
+            ),
+            args["q"],
+            args["k"],
+            args["bt"],
+            args["lengths"],
+            args["q_lens"],
+        )

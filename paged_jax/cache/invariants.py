@@ -12,7 +12,7 @@ class InvariantError(AssertionError):
 
 
 def _fail(op: str | None, name: str, detail: str, offenders) -> None:
-    offenders = list(np.asarray(offenders).ravel()[:10])
+    offenders = [int(x) for x in np.asarray(offenders).ravel()[:10]]
     where = f" after {op}" if op else ""
     raise InvariantError(f"invariant '{name}' broken{where}: {detail}; offenders: {offenders}")
 

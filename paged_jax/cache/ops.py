@@ -109,29 +109,41 @@ def _blocks_or_drop(state: CacheState, blocks: jax.Array, mask: jax.Array) -> ja
     return jnp.where(mask & (blocks != NO_BLOCK), blocks, state.num_blocks)
 
 
-def _decrement_and_free(
-    state: CacheState, ref_counts: jax.Array, blocks: jax.Array, dec: jax.Array
+def _change_counts(
+    state: CacheState, inc_blocks: jax.Array, inc: jax.Array, dec_blocks: jax.Array, dec: jax.Array
 ) -> tuple[jax.Array, object]:
-    """Drop one reference per ``dec`` entry of ``blocks: int32[M]``; free what reaches 0.
+    """Add one reference per ``inc`` entry and drop one per ``dec`` entry; blocks whose
+    count reaches 0 return to the pool.
 
-    A block named by several entries (shared by several released rows) is returned to the
-    pool once, at its last entry, as if the entries were dropped one after another: freed
-    blocks enter the pool in the order their last reference goes.
+    inc_blocks: int32[Mi], dec_blocks: int32[Md] block ids (NO_BLOCK allowed), with bool
+    masks of the same shapes. As if the increments were applied first and the decrements
+    one after another: a block shared by several dropped rows returns to the pool once,
+    when its last reference goes, so freed blocks enter the pool in the order of their
+    last decrement entry.
+
+    The entries (not the pool) are sorted by block so each block's net change is one
+    segment sum, and ``ref_counts`` is written by a single scatter: no read-back between
+    scatters, which would make XLA copy the pool-sized array. O((Mi + Md) log(Mi + Md)).
     """
-    n, m = state.num_blocks, blocks.shape[0]
-    idx = _blocks_or_drop(state, blocks, dec)
-    ref_counts = ref_counts.at[idx].add(-1, mode="drop")
-    safe = jnp.clip(blocks, 0, n - 1)
-    freed = (idx < n) & (ref_counts[safe] == 0)
-    # Elect the last entry of each freed block: scatter-min a negative marker (lowest for
-    # the last entry) into the (now zero) counts, read it back, then restore the zeros.
-    # O(M), in place, no pool-sized temporary.
-    marker = -1 - jnp.arange(m, dtype=jnp.int32)
-    elect = jnp.where(freed, blocks, n)
-    ref_counts = ref_counts.at[elect].min(marker, mode="drop")
-    first = freed & (ref_counts[safe] == marker)
-    ref_counts = ref_counts.at[elect].set(0, mode="drop")
-    pool = state.policy.release(state.pool, blocks, first)
+    n, m_inc, m_dec = state.num_blocks, inc_blocks.shape[0], dec_blocks.shape[0]
+    blocks = jnp.concatenate([_blocks_or_drop(state, inc_blocks, inc), _blocks_or_drop(state, dec_blocks, dec)])
+    delta = jnp.concatenate([jnp.ones((m_inc,), jnp.int32), -jnp.ones((m_dec,), jnp.int32)])
+    order = jnp.argsort(blocks, stable=True)  # within a block: increments, then decrements in entry order
+    b, d = blocks[order], delta[order]
+    m = b.shape[0]
+    idx = jnp.arange(m, dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones((1,), bool), b[1:] != b[:-1]])
+    ends = jnp.concatenate([b[1:] != b[:-1], jnp.ones((1,), bool)])
+    first = jax.lax.cummax(jnp.where(starts, idx, 0))
+    csum = jnp.cumsum(d)
+    net = csum - csum[first] + d[first]  # segment sum, valid at each segment's end
+    new_count = state.ref_counts[jnp.clip(b, 0, n - 1)] + net
+    write = ends & (b < n)
+    ref_counts = state.ref_counts.at[jnp.where(write, b, n)].set(new_count, mode="drop")
+    # A count can only reach 0 through a decrement, so that segment ends on one.
+    freed_at = jnp.where(write & (new_count == 0), order - m_inc, m_dec)
+    freed = jnp.zeros((m_dec,), bool).at[freed_at].set(True, mode="drop")
+    pool = state.policy.release(state.pool, dec_blocks, freed)
     return ref_counts, pool
 
 
@@ -331,7 +343,8 @@ def _shrink(state, seq_ids, new_lens, *, deactivate):
     rows = state.block_tables[safe]  # [B, max_blocks_per_seq]
     keep = jnp.arange(state.max_blocks_per_seq)[None, :] < ((new_lens + bs - 1) // bs)[:, None]
     drop = do[:, None] & ~keep & (rows != NO_BLOCK)
-    ref_counts, pool = _decrement_and_free(state, state.ref_counts, rows.reshape(-1), drop.reshape(-1))
+    none = jnp.zeros((0,), jnp.int32)
+    ref_counts, pool = _change_counts(state, none, none.astype(bool), rows.reshape(-1), drop.reshape(-1))
     dst = _rows_or_drop(state, safe, do)
     new = state.replace(
         block_tables=state.block_tables.at[dst].set(jnp.where(keep, rows, NO_BLOCK), mode="drop"),
@@ -365,10 +378,9 @@ def select_parents(
     do = d_real & p_real & apply
     new_rows = state.block_tables[p_safe]
     old_rows = state.block_tables[d_safe]
-    # Increments first, so a block kept by any new row never touches zero.
-    ref_counts = state.ref_counts.at[_blocks_or_drop(state, new_rows, do[:, None])].add(1, mode="drop")
+    inc = jnp.broadcast_to(do[:, None], new_rows.shape) & (new_rows != NO_BLOCK)
     dec = (do & state.active[d_safe])[:, None] & (old_rows != NO_BLOCK)
-    ref_counts, pool = _decrement_and_free(state, ref_counts, old_rows.reshape(-1), dec.reshape(-1))
+    ref_counts, pool = _change_counts(state, new_rows.reshape(-1), inc.reshape(-1), old_rows.reshape(-1), dec.reshape(-1))
     dst = _rows_or_drop(state, d_safe, do)
     return state.replace(
         block_tables=state.block_tables.at[dst].set(new_rows, mode="drop"),

@@ -181,50 +181,57 @@ def lowest_id_first() -> AllocationPolicy:
 
 
 class RandomPool(NamedTuple):
-    stack: jax.Array  # int32[num_blocks]; stack[:num_free] are free, in no useful order
+    stack: jax.Array  # int32[num_blocks]; stack[:num_free] are free, kept in random order
     num_free: jax.Array  # int32[]
-    key: jax.Array  # uint32[2]; raw PRNG key, advanced once per successful allocation
+    key: jax.Array  # uint32[2]; raw PRNG key, advanced once per release that frees blocks
 
 
 @functools.cache
 def random(seed: int = 0) -> AllocationPolicy:
-    """A uniformly random free block (a scattered-placement stress test).
+    """A random free block (a scattered-placement stress test).
 
-    A partial Fisher-Yates shuffle over the free stack: O(request) per call, but the
-    request is walked sequentially (a fori_loop), so it is slower per block than lifo.
+    The free stack is kept shuffled: it starts as a random permutation, and each released
+    block swaps places with a uniformly random free block, which moves to the top.
+    Allocation pops the top, so it hands out blocks from random places in the pool.
+    (Two releases in one call that draw the same place: the second goes on top instead,
+    so the order is close to, not exactly, uniform.) O(request log request) per release,
+    O(request) per allocation; never O(num_blocks) after init.
     """
 
     def init(num_blocks):
-        stack = _stack_init(num_blocks)
-        return RandomPool(stack.stack, stack.num_free, jax.random.PRNGKey(seed))
+        key = jax.random.PRNGKey(seed)
+        key, sub = jax.random.split(key)
+        stack = jax.random.permutation(sub, num_blocks).astype(jnp.int32)
+        return RandomPool(stack, jnp.int32(num_blocks), key)
 
     def allocate(pool, want):
-        _, total = _ranks(want)
-        ok = total <= pool.num_free
-        key, sub = jax.random.split(pool.key)
-
-        def swap_one(r, stack):
-            top = pool.num_free - 1 - r
-            j = jax.random.randint(jax.random.fold_in(sub, r), (), 0, top + 1)
-            a, b = stack[j], stack[top]
-            return stack.at[top].set(a).at[j].set(b)
-
-        stack = jax.lax.fori_loop(0, jnp.where(ok, total, 0), swap_one, pool.stack)
-        shuffled = StackPool(stack, pool.num_free)
-        popped, ids, _ = _stack_pop(shuffled, want)
-        new = RandomPool(popped.stack, popped.num_free, jnp.where(ok & (total > 0), key, pool.key))
-        return new, ids, ok
+        popped, ids, ok = _stack_pop(StackPool(pool.stack, pool.num_free), want)
+        return RandomPool(pool.stack, popped.num_free, pool.key), ids, ok
 
     def release(pool, ids, mask):
-        pushed = _stack_push(StackPool(pool.stack, pool.num_free), ids, mask)
-        return RandomPool(pushed.stack, pushed.num_free, pool.key)
+        n, m = pool.stack.shape[0], ids.shape[0]
+        rank, total = _ranks(mask)
+        key, sub = jax.random.split(pool.key)
+        place = jax.random.randint(sub, (m,), 0, jnp.maximum(pool.num_free, 1))
+        can = mask & (pool.num_free > 0)
+        # Later entries that drew an already-drawn place go on top instead (sort, not m^2).
+        keyed = jnp.where(can, place, n)
+        order = jnp.argsort(keyed, stable=True)
+        ranked = keyed[order]
+        repeat = jnp.concatenate([jnp.zeros((1,), bool), ranked[1:] == ranked[:-1]]) & (ranked < n)
+        swap = can & ~jnp.zeros((m,), bool).at[order].set(repeat)
+        displaced = pool.stack[place]
+        top = pool.num_free + rank
+        dst = jnp.concatenate([jnp.where(swap, place, jnp.where(mask, top, n)), jnp.where(swap, top, n)])
+        stack = pool.stack.at[dst].set(jnp.concatenate([ids, displaced]), mode="drop")
+        key = jnp.where(total > 0, key, pool.key)
+        return RandomPool(stack, pool.num_free + total, key)
 
     def free_blocks(pool):
         return np.sort(np.asarray(pool.stack)[: int(pool.num_free)])
 
     return AllocationPolicy(
-        f"random({seed})", init, allocate, release, _num_free, free_blocks,
-        deterministic=False,
+        f"random({seed})", init, allocate, release, _num_free, free_blocks, deterministic=False
     )
 
 

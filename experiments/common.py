@@ -1,0 +1,35 @@
+"""What every study shares: machine description and JSON output."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+
+
+def machine_info() -> dict:
+    import jax
+
+    device = jax.devices()[0]
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "device": f"{device.platform}:{getattr(device, 'device_kind', '')}",
+    }
+
+
+def write_json(out_dir: str, name: str, result: dict) -> str:
+    """Write ``result`` to OUT_DIR/NAME.json (must hold a "headline" object)."""
+    if "headline" not in result:
+        raise ValueError(f"{name}: a study's JSON needs a 'headline' object")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2, default=float)
+    print(f"wrote {path}")
+    return path

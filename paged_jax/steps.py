@@ -22,7 +22,8 @@ sequences, out-of-vocabulary ids) with an error naming the numbers.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from paged_jax.attention.dispatch import resolve_impl
-from paged_jax.cache import CacheState, append_slots
+from paged_jax.cache import CacheState, Status, append_slots, raise_for_status
 from paged_jax.config import CacheConfig
 from paged_jax.kv.pages import KVPages, copy_blocks, init_pages
 from paged_jax.model.config import ModelConfig
@@ -43,9 +44,9 @@ from paged_jax.model.llama import (
 )
 
 NO_SEQ = CacheState.NO_SEQ
-# Status of a row holding a token id outside [0, vocab_size). Codes below 64 are the
-# block manager's ``Status``; the whole call is rejected (atomic) like any other error.
-STATUS_INVALID_TOKEN = 64
+# Status of a row holding a token id outside [0, vocab_size); the whole call is rejected
+# (atomic) like any other error.
+STATUS_INVALID_TOKEN = int(Status.INVALID_TOKEN)
 
 
 class StepFns(NamedTuple):
@@ -124,7 +125,8 @@ def make_step_fns(
     Returns ``StepFns(prefill, decode)``, both ``jax.jit`` with cache_state and pages
     donated.
     """
-    impl = resolve_impl(attention_impl)
+    resolve_impl(attention_impl)  # fail fast on a bad name; "auto" is kept for per-call fallback
+    impl = attention_impl
     graphdef = abstract_graphdef(model_config)
 
     def prefill(params, cache_state, pages, tokens, seq_ids, num_tokens):
@@ -144,6 +146,10 @@ def make_step_fns(
         prefill=jax.jit(prefill, donate_argnums=(1, 2)),
         decode=jax.jit(decode, donate_argnums=(1, 2)),
     )
+
+
+# Steps report through the block manager's Status (INVALID_TOKEN included).
+raise_for_step_status = raise_for_status
 
 
 def init_pages_for(model_config: ModelConfig, cache_config: CacheConfig, dtype: Any = None) -> KVPages:

@@ -150,3 +150,18 @@ def test_dispatch_pallas_interpret_or_clear_error():
     out = paged_attention_chunk(q, kp, vp, tables, lens, qls, impl="pallas_interpret")
     ref = paged_chunk_attention(q, kp, vp, tables, lens, qls)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-4, atol=1e-4)
+
+
+def test_auto_on_gpu_falls_back_to_xla_when_the_kernel_refuses(monkeypatch):
+    """head_dim 8 is not a shape the kernels tile: "auto" warns and uses xla; an explicit
+    pallas request raises the kernel's error."""
+    from paged_jax.attention import dispatch
+
+    q, kp, vp, tables, lens, qls = _case(7, 4, 2, [6, 11], [2, 3], t_max=3)
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
+    with pytest.warns(UserWarning, match="'auto'"):
+        out = paged_attention_chunk(q, kp, vp, tables, lens, qls, impl="auto")
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(paged_chunk_attention(q, kp, vp, tables, lens, qls)))
+    if _pallas_available():
+        with pytest.raises(ValueError, match="head_dim"):
+            paged_attention(q[:, 0], kp, vp, tables, lens, impl="pallas_interpret")

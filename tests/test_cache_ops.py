@@ -266,3 +266,30 @@ def test_ops_accept_numpy_and_python_ids():
     state = with_tokens(new_state(), {0: 2})
     state, out = append_slots(state, np.array([0], np.int32), A([1], jnp.int32))
     assert out.status.tolist() == [0]
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_donated_state_is_updated_in_place(batch):
+    """Flat cost in pool size needs XLA to update the donated pool-sized arrays in place:
+    a read-back between two scatters, or a where() over the array, shows up as a copy."""
+    import re
+
+    n = 1 << 16
+    state = new_state(num_blocks=n, max_seqs=16)
+    ids = jnp.arange(batch, dtype=jnp.int32)
+    ops = {
+        "open": (open_sequences, (ids,)),
+        "append": (functools.partial(append_slots, max_tokens=4), (ids, ids)),
+        "fork": (fork, (ids, ids + 8)),
+        "release": (release, (ids,)),
+        "truncate": (truncate, (ids, ids)),
+        "select_parents": (select_parents, (ids, ids)),
+    }
+    previous = set_debug_checks(False)  # the debug callback would hold the state alive
+    try:
+        for name, (fn, args) in ops.items():
+            hlo = jax.jit(fn, donate_argnums=0).lower(state, *args).compile().as_text()
+            copies = re.findall(rf"= \w+\[{n}\]\{{0\}} copy\(", hlo)
+            assert not copies, f"{name} copies a pool-sized array: {copies}"
+    finally:
+        set_debug_checks(previous)

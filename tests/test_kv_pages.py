@@ -135,3 +135,32 @@ def test_poison_free_blocks_only_touches_free_blocks():
     k = np.asarray(out.k)
     assert np.isnan(k[:, :, [0, 3]]).all() and np.isnan(np.asarray(out.v[:, :, [0, 3]])).all()
     np.testing.assert_array_equal(k[:, :, [1, 2, 4, 5]], np.asarray(pages.k[:, :, [1, 2, 4, 5]]))
+
+
+def _full_size_copies(hlo: str, num_elements: int) -> list[str]:
+    """HLO lines that copy or dynamic-update-slice an array as large as the store."""
+    bad = []
+    for line in hlo.splitlines():
+        if "copy(" in line or "dynamic-update-slice(" in line:
+            shape = line.split("=", 1)[1].split("{", 1)[0].strip() if "=" in line else ""
+            dims = shape[shape.find("[") + 1 : shape.find("]")]
+            if dims and np.prod([int(x) for x in dims.split(",")]) >= num_elements:
+                bad.append(line.strip()[:160])
+    return bad
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_donated_writes_stay_in_place(m):
+    """With the store donated, no op copies it whole, even for a single block or token
+    (XLA turns a one-index scatter into a select + dynamic-update-slice that copies)."""
+    pages = init_pages(L, H, 64, BS, D)
+    full = L * H * 64 * BS * D
+    ids = jnp.arange(m, dtype=jnp.int32)
+    hlo = jax.jit(copy_blocks, donate_argnums=0).lower(pages, ids, ids + 8).compile().as_text()
+    assert not _full_size_copies(hlo, full)
+    slots = jnp.arange(m, dtype=jnp.int32)[:, None]
+    new = jnp.ones((m, 1, H, D))
+    write = jax.jit(lambda p, s, k: write_tokens(p, s, k, k, layer=1), donate_argnums=0)
+    assert not _full_size_copies(write.lower(pages, slots, new).compile().as_text(), full)
+    back = jax.jit(write_blocks, donate_argnums=0)
+    assert not _full_size_copies(back.lower(pages, ids, read_blocks(pages, ids)).compile().as_text(), full)

@@ -144,7 +144,7 @@ def test_contiguous_cache_decoding_equals_dense():
     rng = np.random.default_rng(1)
     seqs = [list(rng.integers(0, 128, 5)), list(rng.integers(0, 128, 8))]
     kv = init_contiguous_kv(CFG, b, max_len)
-    assert isinstance(kv, ContiguousKV) and kv.k.shape == (2, b, max_len, 2, 16)
+    assert isinstance(kv, ContiguousKV) and kv.k.shape == (2, b, 2, max_len, 16)
     tokens = np.zeros((b, t), np.int32)
     for i, s in enumerate(seqs):
         tokens[i, : len(s)] = s

@@ -5,8 +5,9 @@
 - ``"xla"``: ``paged_jax.attention.reference`` (plain XLA; any backend).
 - ``"pallas"``: ``pallas_kernels`` compiled for the GPU.
 - ``"pallas_interpret"``: the same kernels in Pallas interpret mode (any backend; tests).
-- ``"auto"``: ``"pallas"`` on GPU, ``"xla"`` elsewhere; on GPU it falls back to ``"xla"``
-  with a warning if ``pallas_kernels`` cannot be imported.
+- ``"auto"``: ``"pallas"`` on GPU, ``"xla"`` elsewhere. On GPU it falls back to ``"xla"``
+  with a warning if ``pallas_kernels`` cannot be imported, or if the kernel rejects the
+  call's shapes with a ValueError (e.g. a head_dim or block_size it does not tile).
 
 The choice is made when the caller is traced (a Python-level switch), so it costs nothing
 per call. Both functions take the same arguments as their reference counterparts.
@@ -61,16 +62,26 @@ def resolve_impl(impl: str) -> str:
     return "pallas"
 
 
+def _fallback_or_raise(impl: str, error: ValueError) -> None:
+    """An explicit pallas request propagates the kernel's refusal; "auto" degrades to xla."""
+    if impl != "auto":
+        raise error
+    warnings.warn(f"attention impl 'auto': the Pallas kernel refused this call ({error}); using 'xla'", stacklevel=3)
+
+
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, impl: str = "auto"):
     """Decode attention: q [B, Hq, D] over pages [Hkv, N, bs, D] -> [B, Hq, D].
 
     See ``reference.paged_decode_attention`` for the contract.
     """
-    impl = resolve_impl(impl)
-    if impl == "xla":
-        return reference.paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, scale=scale)
-    fn = _pallas_fn("paged_attention")
-    return fn(q, k_pages, v_pages, block_tables, lengths, scale=scale, interpret=impl == "pallas_interpret")
+    concrete = resolve_impl(impl)
+    if concrete != "xla":
+        fn = _pallas_fn("paged_attention")
+        try:
+            return fn(q, k_pages, v_pages, block_tables, lengths, scale=scale, interpret=concrete == "pallas_interpret")
+        except ValueError as e:
+            _fallback_or_raise(impl, e)
+    return reference.paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, scale=scale)
 
 
 def paged_attention_chunk(
@@ -80,13 +91,14 @@ def paged_attention_chunk(
 
     See ``reference.paged_chunk_attention`` for the contract.
     """
-    impl = resolve_impl(impl)
-    if impl == "xla":
-        return reference.paged_chunk_attention(
-            q, k_pages, v_pages, block_tables, lengths, q_lens, scale=scale
-        )
-    fn = _pallas_fn("paged_attention_chunk")
-    return fn(
-        q, k_pages, v_pages, block_tables, lengths, q_lens, scale=scale,
-        interpret=impl == "pallas_interpret",
-    )
+    concrete = resolve_impl(impl)
+    if concrete != "xla":
+        fn = _pallas_fn("paged_attention_chunk")
+        try:
+            return fn(
+                q, k_pages, v_pages, block_tables, lengths, q_lens, scale=scale,
+                interpret=concrete == "pallas_interpret",
+            )
+        except ValueError as e:
+            _fallback_or_raise(impl, e)
+    return reference.paged_chunk_attention(q, k_pages, v_pages, block_tables, lengths, q_lens, scale=scale)

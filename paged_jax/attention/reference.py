@@ -45,13 +45,13 @@ def _attend(
     """Masked causal attention over contiguous keys.
 
     Args:
-      q: [B, T, Hq, D]. k, v: [B, S, Hkv, D]. lengths, q_lens: int32[B] (see module doc);
-        keys at ``s >= lengths[b]`` are ignored.
+      q: [B, T, Hq, D]. k, v: [B, Hkv, S, D] (head-major, the page layout's order).
+        lengths, q_lens: int32[B] (see module doc); keys at ``s >= lengths[b]`` are ignored.
 
     Returns [B, T, Hq, D] in q.dtype.
     """
     b, t, hq, d = q.shape
-    s, hkv = k.shape[1], k.shape[2]
+    hkv, s = k.shape[1], k.shape[2]
     groups = _check_heads(hq, hkv)
     scale = d**-0.5 if scale is None else scale
     lengths = lengths.astype(jnp.int32)
@@ -64,15 +64,15 @@ def _attend(
     mask = key_ok[:, None, :] & (k_pos[None, None, :] <= q_pos[:, :, None]) & row_ok[:, :, None]
 
     qg = q.astype(jnp.float32).reshape(b, t, hkv, groups, d)
-    kf = jnp.where(key_ok[:, :, None, None], k.astype(jnp.float32), 0.0)
-    vf = jnp.where(key_ok[:, :, None, None], v.astype(jnp.float32), 0.0)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, kf, precision=jax.lax.Precision.HIGHEST) * scale
+    kf = jnp.where(key_ok[:, None, :, None], k.astype(jnp.float32), 0.0)
+    vf = jnp.where(key_ok[:, None, :, None], v.astype(jnp.float32), 0.0)
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, kf, precision=jax.lax.Precision.HIGHEST) * scale
     scores = jnp.where(mask[:, None, None], scores, _MASKED)
     probs = jnp.exp(scores - scores.max(axis=-1, keepdims=True))
     probs = jnp.where(mask[:, None, None], probs, 0.0)
     denom = probs.sum(axis=-1, keepdims=True)
     probs = probs / jnp.where(denom > 0, denom, 1.0)  # all-masked rows: 0, not NaN
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, vf, precision=jax.lax.Precision.HIGHEST)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs, vf, precision=jax.lax.Precision.HIGHEST)
     return out.reshape(b, t, hq, d).astype(q.dtype)
 
 
@@ -83,13 +83,13 @@ def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
       pages: [Hkv, N, bs, D]. block_tables: int32[B, P]; ``NO_BLOCK`` (-1) entries read
         block 0 (callers mask them by length).
 
-    Returns [B, P * bs, Hkv, D].
+    Returns [B, Hkv, P * bs, D] (head-major).
     """
     hkv, n, bs, d = pages.shape
     b, p = block_tables.shape
     safe = jnp.clip(block_tables, 0, n - 1)
     gathered = pages[:, safe]  # [Hkv, B, P, bs, D]
-    return jnp.moveaxis(gathered, 0, -2).reshape(b, p * bs, hkv, d)
+    return jnp.swapaxes(gathered, 0, 1).reshape(b, hkv, p * bs, d)
 
 
 def paged_chunk_attention(
@@ -148,6 +148,7 @@ def dense_causal_attention(
     lengths: jax.Array | None = None,
     q_lens: jax.Array | None = None,
     scale: float | None = None,
+    heads_first: bool = False,
 ) -> jax.Array:
     """Causal attention over contiguous (non-paged) keys and values.
 
@@ -157,12 +158,15 @@ def dense_causal_attention(
     ``lengths[b]`` valid keys.
 
     Args:
-      q: [B, T, Hq, D]. k, v: [B, S, Hkv, D].
+      q: [B, T, Hq, D]. k, v: [B, S, Hkv, D], or [B, Hkv, S, D] with ``heads_first``
+        (the layout of a contiguous cache that avoids transposes).
 
     Returns [B, T, Hq, D] in q.dtype.
     """
+    if not heads_first:
+        k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
     b, t = q.shape[:2]
-    s = k.shape[1]
+    s = k.shape[2]
     if lengths is None:
         lengths = jnp.full((b,), s, jnp.int32)
     if q_lens is None:

@@ -85,6 +85,7 @@ class Status(enum.IntEnum):
     TABLE_FULL = 5  # the row would need more than max_blocks_per_seq blocks
     DUPLICATE_SEQ = 6  # the same row appears twice where each must be unique
     BAD_NUM_TOKENS = 7  # negative, above the call's static maximum, or a bad new length
+    INVALID_TOKEN = 64  # set by the model steps (paged_jax.steps): a token id outside the vocabulary
 
 
 class CacheOpError(RuntimeError):

@@ -131,6 +131,20 @@ def _drop_index(ids: jax.Array, valid: jax.Array, bound: int) -> jax.Array:
     return jnp.where(valid, ids, bound).astype(jnp.int32)
 
 
+def _pad_single(idx: jax.Array, vals: jax.Array, bound: int, axis: int) -> tuple[jax.Array, jax.Array]:
+    """Give a one-index scatter a second, dropped index.
+
+    XLA rewrites a scatter with a single index into a dynamic-update-slice guarded by a
+    select, which on a donated pool is *not* done in place: a decode step at batch 1 then
+    copied the whole KV store (measured 276 ms vs 5 ms at batch 2 on a 370 MB store).
+    Two indices keep it a scatter. ``vals`` gets a zero entry along ``axis``.
+    """
+    if idx.shape[0] != 1:
+        return idx, vals
+    idx = jnp.concatenate([idx, jnp.full((1,), bound, idx.dtype)])
+    return idx, jnp.concatenate([vals, jnp.zeros_like(vals)], axis=axis)
+
+
 def write_tokens(
     pages: KVPages,
     slot_mapping: jax.Array,
@@ -164,14 +178,15 @@ def write_tokens(
             flat = leaf.reshape(leaf.shape[0], heads, num_slots, feat)
             # An int and an index array split by a slice: NumPy puts the indexed axis
             # first, so the update is [M, Hkv, D], the natural layout of k_new.
-            vals = new.reshape(-1, heads, feat)
-            out = flat.at[layer, :, idx].set(vals.astype(leaf.dtype), mode="drop")
+            ix, vals = _pad_single(idx, new.reshape(-1, heads, feat), num_slots, axis=0)
+            out = flat.at[layer, :, ix].set(vals.astype(leaf.dtype), mode="drop")
         else:
             lead = leaf.shape[:-4]
             flat = leaf.reshape(*lead, heads, num_slots, feat)
             vals = new.reshape(*lead, -1, heads, feat)  # [(L,) M, Hkv, D]
             vals = jnp.moveaxis(vals, -2, -3)  # [(L,) Hkv, M, D]
-            out = flat.at[..., idx, :].set(vals.astype(leaf.dtype), mode="drop")
+            ix, vals = _pad_single(idx, vals, num_slots, axis=-2)
+            out = flat.at[..., ix, :].set(vals.astype(leaf.dtype), mode="drop")
         return out.reshape(leaf.shape)
 
     return pages.replace(k=scatter(pages.k, k_new), v=scatter(pages.v, v_new))
@@ -190,7 +205,8 @@ def _put_blocks(leaf: jax.Array, ids: jax.Array, data: jax.Array) -> jax.Array:
     """``leaf[..., ids, :, :] = data``; ids outside ``[0, N)`` (NO_BLOCK) are dropped."""
     n = leaf.shape[BLOCK_AXIS]
     idx = _drop_index(ids, (ids >= 0) & (ids < n), n)
-    return leaf.at[..., idx, :, :].set(data.astype(leaf.dtype), mode="drop")
+    idx, data = _pad_single(idx, data.astype(leaf.dtype), n, axis=BLOCK_AXIS)
+    return leaf.at[..., idx, :, :].set(data, mode="drop")
 
 
 def _num_blocks(pages) -> int:

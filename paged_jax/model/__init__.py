@@ -1,5 +1,8 @@
 """Llama-family decoders (Llama, Qwen2, Mistral) in Flax NNX, and HF checkpoint loading."""
 
+# Hugging Face checkpoints (local directories only).
+from paged_jax.model.checkpoint import CheckpointError, load_model, load_params, save_params
+
 # Configuration.
 from paged_jax.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 
@@ -18,9 +21,6 @@ from paged_jax.model.llama import (
     make_contiguous_attend,
     make_paged_attend,
 )
-
-# Hugging Face checkpoints (local directories only).
-from paged_jax.model.checkpoint import CheckpointError, load_model, load_params, save_params
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES", "AttendFn", "CheckpointError", "ContiguousKV", "LlamaForCausalLM",

@@ -22,7 +22,8 @@ of HF's ``weight``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -228,15 +229,19 @@ def make_paged_attend(ctx: PagedContext, *, impl: str = "auto", decode: bool = F
 
 
 class ContiguousKV(NamedTuple):
-    """A non-paged cache: every sequence owns ``max_len`` contiguous slots."""
+    """A non-paged cache: every sequence owns ``max_len`` contiguous slots.
 
-    k: jax.Array  # [num_layers, B, max_len, num_kv_heads, head_dim]
-    v: jax.Array  # [num_layers, B, max_len, num_kv_heads, head_dim]
+    Head-major like the pages (``[..., Hkv, tokens, D]``), so attention reads it without
+    a transpose and the comparison with the paged cache is about paging only.
+    """
+
+    k: jax.Array  # [num_layers, B, num_kv_heads, max_len, head_dim]
+    v: jax.Array  # [num_layers, B, num_kv_heads, max_len, head_dim]
 
 
 def init_contiguous_kv(config: ModelConfig, batch: int, max_len: int, dtype=None) -> ContiguousKV:
-    """Zero contiguous cache ``[L, batch, max_len, Hkv, D]`` (dtype defaults to the model's)."""
-    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    """Zero contiguous cache ``[L, batch, Hkv, max_len, D]`` (dtype defaults to the model's)."""
+    shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
     dtype = config.jnp_dtype if dtype is None else dtype
     return ContiguousKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
@@ -247,13 +252,16 @@ def make_contiguous_attend(positions: jax.Array, lengths: jax.Array, q_lens: jax
 
     def attend(kv: ContiguousKV, layer: int, q, k, v):
         b, t = positions.shape
-        max_len = kv.k.shape[2]
+        max_len = kv.k.shape[3]
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
         real = jnp.arange(t)[None, :] < q_lens[:, None]
         cols = jnp.where(real, positions, max_len)  # padding tokens are dropped
-        kc = kv.k.at[layer, rows, cols].set(k.astype(kv.k.dtype), mode="drop")
-        vc = kv.v.at[layer, rows, cols].set(v.astype(kv.v.dtype), mode="drop")
-        out = dense_causal_attention(q, kc[layer], vc[layer], lengths=lengths, q_lens=q_lens)
+        # kv.k[layer, rows, :, cols] is [B, T, Hkv, D] (advanced indices first): k's layout.
+        kc = kv.k.at[layer, rows, :, cols].set(k.astype(kv.k.dtype), mode="drop")
+        vc = kv.v.at[layer, rows, :, cols].set(v.astype(kv.v.dtype), mode="drop")
+        out = dense_causal_attention(
+            q, kc[layer], vc[layer], lengths=lengths, q_lens=q_lens, heads_first=True
+        )
         return out, ContiguousKV(kc, vc)
 
     return attend

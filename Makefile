@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(PY) -m experiments demo --quick --out out
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(JOBS) tests
+	$(PY) -m pytest -q -n $(JOBS) tests notebooks --nbmake
 
 bench: $(STAMP)
 	$(PY) -m experiments all --out out

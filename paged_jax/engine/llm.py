@@ -127,8 +127,15 @@ class LLM:
       seed: random weights (ModelConfig) and default per-request sampling seeds.
       kv_cache: "paged" or "static" (each sequence reserves max_model_len up front).
       watermark: fraction of the pool kept free at admission (paged).
+      admission_lookahead: paged: also keep free, at admission, the blocks the running
+        sequences will take over this many steps (capped by each one's max_tokens), so a
+        new request is not admitted only to be preempted again a few steps later. 0 (the
+        default) admits like vLLM: prompt blocks above the watermark.
       victim_policy: name in ``victim.VICTIM_POLICIES`` or a function.
       debug_checks: check every invariant after every step (slow; for tests).
+      narrow_tables: steps attend through only the block-table columns live rows use
+        (a power-of-two bucket), so attention reads keys in proportion to the longest
+        live sequence rather than ``max_model_len``; False always passes the full table.
     """
 
     def __init__(
@@ -149,8 +156,10 @@ class LLM:
         seed: int = 0,
         kv_cache: str = "paged",
         watermark: float = 0.01,
+        admission_lookahead: int = 0,
         victim_policy="most_recently_admitted",
         debug_checks: bool = False,
+        narrow_tables: bool = True,
     ):
         if kv_cache not in KV_CACHE_MODES:
             raise ValueError(f"kv_cache={kv_cache!r}: unknown; choose one of {list(KV_CACHE_MODES)}")
@@ -165,6 +174,7 @@ class LLM:
         SchedulerConfig(
             max_num_seqs=1, max_num_batched_tokens=1, block_size=block_size,
             preemption_mode=preemption_mode, victim_policy=victim_policy,
+            admission_lookahead=admission_lookahead,
         )
         backend = build_backend(model, dtype=dtype, seed=seed, attention_impl=attention_impl, block_size=block_size)
 
@@ -210,7 +220,7 @@ class LLM:
                 max_blocks_per_seq=blocks_per_seq,
                 max_num_batched_tokens=max_num_batched_tokens,
                 allocation_policy=allocation_policy,
-                debug_checks=debug_checks,
+                narrow_tables=narrow_tables,
             ),
         )
         if kv_cache == "paged":
@@ -228,6 +238,7 @@ class LLM:
                 block_size=block_size,
                 preemption_mode=preemption_mode,
                 victim_policy=victim_policy,
+                admission_lookahead=admission_lookahead,
             ),
             self.runner,
             accounting,
@@ -250,6 +261,21 @@ class LLM:
         outside the vocabulary, or a prompt that cannot fit (``>= max_model_len`` tokens,
         naming the request index and the limit).
         """
+        seqs = self.add_requests(prompts, sampling_params)
+        bar = _progress(len(seqs)) if use_tqdm else None
+        while self.engine.has_unfinished():
+            done = self.engine.step()
+            if bar is not None and done:
+                bar.update(len(done))
+        if bar is not None:
+            bar.close()
+        return self.outputs(seqs)
+
+    def add_requests(self, prompts, sampling_params=None) -> list[Sequence]:
+        """Validate and queue requests without running them (``generate`` = this, then
+        ``engine.step()`` until done, then ``outputs``). For drivers that step engines
+        themselves, e.g. a benchmark interleaving two engines. Same arguments and errors
+        as ``generate``; nothing is queued if any request is bad."""
         prompts = _normalise_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -279,14 +305,11 @@ class LLM:
             )
             seqs.append(seq)
             self.engine.add(seq)
+        return seqs
 
-        bar = _progress(len(seqs)) if use_tqdm else None
-        while self.engine.has_unfinished():
-            done = self.engine.step()
-            if bar is not None and done:
-                bar.update(len(done))
-        if bar is not None:
-            bar.close()
+    @staticmethod
+    def outputs(seqs: list[Sequence]) -> list[RequestOutput]:
+        """``RequestOutput``s of finished sequences, in the given order."""
         return [
             RequestOutput(
                 request_id=s.request_id,
@@ -337,16 +360,22 @@ class LLM:
             blocks_swapped_in=c.blocks_swapped_in,
             swap_fallbacks=c.swap_fallbacks,
             compiles=self.runner.traces["prefill"] + self.runner.traces["decode"],
+            compile_seconds=self.runner.compile_seconds,
+            tokens_per_s_excl_compile=(
+                out["generated_tokens"] / max(out["seconds"] - self.runner.compile_seconds, 1e-9)
+                if out["seconds"] else 0.0
+            ),
             traces=dict(self.runner.traces),
         )
         return out
 
     def reset_stats(self) -> None:
-        """Start counting afresh (e.g. after a warm-up run); compiles are kept."""
+        """Start counting afresh (e.g. after a warm-up run); the trace counts are kept."""
         from paged_jax.engine.scheduler import SchedulerCounters
         from paged_jax.engine.stats import EngineStats
 
         self.engine.scheduler.counters = SchedulerCounters()
+        self.runner.compile_seconds = 0.0
         self.engine.stats = EngineStats(block_size=self.block_size, num_blocks=self.num_gpu_blocks)
 
 

@@ -3,11 +3,12 @@
 It owns the device state (the block manager's ``CacheState``, the KV pages, the model
 parameters) and runs, on request of the scheduler: the jitted prefill / decode steps, the
 sampler, the block-manager ops the scheduler needs (open, release, blocks_needed,
-num_free) and the block copies of a swap. Every batch is padded to a bucket (a power of
-two, capped at the configured maximum) so the number of compiled shapes stays bounded:
-``O(log max_num_seqs)`` decode shapes, ``O(log max_num_seqs * log max_num_batched_tokens)``
-prefill shapes at most. ``traces`` counts the step-function traces (compiles) this
-runner's calls caused. The jitted functions are shared process-wide, so a second engine
+num_free) and the block copies of a swap. Every batch is padded to a bucket so the number
+of compiled shapes stays bounded: decode batches to multiples of 8 rows
+(``decode_size``), prefill calls to power-of-two shapes of bounded area
+(``prefill_shapes``), and the block-table view of a decode to at most three widths
+(``table_width``; prefill calls see the whole table). ``traces`` counts the
+step-function traces (compiles) this runner's calls caused. The jitted functions are shared process-wide, so a second engine
 with the same shapes compiles nothing; note that they keep whatever
 ``paged_jax.cache.set_debug_checks`` setting was on when they were first traced.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -32,11 +34,13 @@ from paged_jax.cache import (
     append_slots,
     blocks_needed,
     check_invariants,
+    debug_checks_enabled,
     init_state,
     num_free_blocks,
     open_sequences,
     raise_for_status,
     release,
+    set_debug_checks,
 )
 from paged_jax.config import CacheConfig
 from paged_jax.engine.sampling import sample
@@ -131,14 +135,40 @@ def _fused(step: Callable) -> Callable:
     engine step. Its Python body runs only when it traces, which ``_TRACES`` counts.
     Cache state and pages are donated."""
 
-    def traced(params, state, pages, *args, greedy_only):
+    def traced(params, state, pages, *args, greedy_only, width):
         _TRACES[fused] += 1
         *step_args, temperature, top_k, top_p, seeds, steps = args
-        logits, state, pages, status = step(params, state, pages, *step_args)
+        # The step sees only the first ``width`` table columns, which hold every block
+        # of every live row (the caller guarantees it), so the narrowed state is a valid
+        # CacheState; attention then reads width * block_size keys per row instead of
+        # max_model_len. The columns are written back after the step.
+        #
+        # A decode call may also hold only some rows (``plan_decode`` groups rows by
+        # width): then only *its* rows must fit in ``width`` columns. Rows outside the
+        # call keep their other columns untouched in the full table (written back
+        # below), but the narrowed view of them is cut short, so the block manager's
+        # debug invariant check would reject the view. With debug checks on, the step's
+        # own ops are traced without them and the whole state is checked after the
+        # write-back instead.
+        narrow = state.replace(block_tables=state.block_tables[:, :width])
+        debug = debug_checks_enabled() and width < state.block_tables.shape[1]
+        if debug:
+            set_debug_checks(False)
+        try:
+            logits, narrow, pages, status = step(params, narrow, pages, *step_args)
+        finally:
+            if debug:
+                set_debug_checks(True)
+        state = narrow.replace(block_tables=state.block_tables.at[:, :width].set(narrow.block_tables))
+        if debug:
+            leaves, treedef = jax.tree.flatten(state)
+            jax.debug.callback(
+                lambda *xs: check_invariants(jax.tree.unflatten(treedef, xs), op="narrowed step"), *leaves
+            )
         tokens, logprobs = sample(logits, temperature, top_k, top_p, seeds, steps, greedy_only=greedy_only)
         return StepOut(tokens, logprobs, num_free_blocks(state), status), state, pages
 
-    fused = jax.jit(traced, donate_argnums=(1, 2), static_argnames="greedy_only")
+    fused = jax.jit(traced, donate_argnums=(1, 2), static_argnames=("greedy_only", "width"))
     return fused
 
 
@@ -162,7 +192,14 @@ class RunnerConfig:
     max_blocks_per_seq: int
     max_num_batched_tokens: int  # the largest prefill chunk (and token budget per step)
     allocation_policy: str = "lifo"
-    debug_checks: bool = False  # check_invariants + host/device agreement every step
+    narrow_tables: bool = True  # steps attend through only the table columns in use
+    # Split a decode batch into calls by table width when the cost model says it pays
+    # (``plan_decode``); needs narrow_tables.
+    split_decode: bool = True
+    # Relative decode-call cost: fixed + per padded row + per padded row per key read.
+    # Fitted to the study model on the 2-core CPU (ms: ~10 + 1.2 b + 0.0044 b keys);
+    # only its ratios matter, and only to choose among groupings.
+    decode_cost: tuple[float, float, float] = (10.0, 1.2, 0.0044)
 
 
 class ModelRunner:
@@ -182,6 +219,7 @@ class ModelRunner:
         self.pages = backend.init_pages(config.num_blocks)
         self.params = backend.params
         self.traces: collections.Counter[str] = collections.Counter()
+        self.compile_seconds = 0.0  # wall time of step calls that traced
         self._prefill = _fused(backend.prefill)
         self._decode = _fused(backend.decode)
         self._read_blocks = _jit(backend.read_blocks)
@@ -191,13 +229,27 @@ class ModelRunner:
             int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in self.block_leaves
         )
 
-    def _run_step(self, name: str, fused: Callable, *args, greedy_only: bool) -> StepOut:
+    def table_width(self, max_blocks: int) -> int:
+        """Table columns a step needs when no live row holds more than ``max_blocks``
+        blocks: a power of two, at least ``max_blocks_per_seq / 4`` (so at most three
+        widths and compiles stay bounded), capped at ``max_blocks_per_seq``."""
+        full = self.config.max_blocks_per_seq
+        if not self.config.narrow_tables:
+            return full
+        return bucket(max(max_blocks, 1), full, lo=bucket(-(-full // 4), full))
+
+    def _run_step(self, name: str, fused: Callable, *args, greedy_only: bool, width: int) -> StepOut:
         """Call a fused step, attributing any trace it causes to this runner."""
         before = _TRACES[fused]
+        start = time.perf_counter()
         out, self.cache_state, self.pages = fused(
-            self.params, self.cache_state, self.pages, *args, greedy_only=greedy_only
+            self.params, self.cache_state, self.pages, *args, greedy_only=greedy_only, width=width,
         )
-        self.traces[name] += _TRACES[fused] - before
+        if traced := _TRACES[fused] - before:
+            # Tracing and compiling happen inside the call, before it returns (execution
+            # is asynchronous): the call's time is the compile time.
+            self.traces[name] += traced
+            self.compile_seconds += time.perf_counter() - start
         return out
 
     # ------------------------------------------------------------------ cache ops
@@ -239,14 +291,67 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ steps
 
-    def prefill(self, slots: list[int], chunks: list[list[int]], rows: list[SampleRow]) -> StepOut:
-        """Append each chunk to its row and sample a token at each row's last one.
+    def prefill_area(self) -> int:
+        """The most padded tokens one prefill call computes: ``max_num_batched_tokens``
+        rounded up to a power of two (>= 16)."""
+        return max(bucket(self.config.max_num_batched_tokens, 1 << 30), 16)
 
-        Returns device arrays (fetch them with ``fetch``), padded to the row bucket.
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """Every prefill call shape ``(rows, width)`` ``plan_prefill`` may use, widest first.
+
+        Both are powers of two: width from 16 up to the area ``A`` (``prefill_area``),
+        rows from 1 up to ``max_num_seqs``, with ``rows * width <= A``. A call therefore
+        never computes more than ``A`` padded tokens, and a lone chunk of ``n`` tokens
+        (the common case: a sequence admitted as another finished) costs at most
+        ``max(16, 2n)`` rather than ``A``. At most ``log2(A / 16) + 1`` widths.
         """
         cfg = self.config
-        size = bucket(len(slots), cfg.max_num_seqs)
-        width = bucket(max(map(len, chunks)), cfg.max_num_batched_tokens, lo=min(16, cfg.max_num_batched_tokens))
+        area = self.prefill_area()
+        shapes, width = [], area
+        while width >= 16:
+            rows = 1
+            while rows * width <= area and rows <= cfg.max_num_seqs:
+                shapes.append((rows, width))
+                rows *= 2
+            width //= 2
+        return shapes
+
+    def plan_prefill(self, lengths: list[int]) -> list[tuple[int, int, list[int]]]:
+        """Group chunks into prefill calls: ``[(rows, width, chunk indices), ...]``.
+
+        Longest chunks first; a call's width is the power of two (>= 16) holding its
+        longest chunk, and it takes as many of the next chunks as ``rows * width <= A``
+        allows, its rows padded to a power of two. Padding stays below 2x in each
+        dimension, and a step's chunks (at most ``max_num_batched_tokens`` tokens) go in
+        one call unless their lengths are very uneven.
+        """
+        area = self.prefill_area()
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        calls: list[tuple[int, int, list[int]]] = []
+        while order:
+            width = bucket(max(lengths[order[0]], 1), area, lo=16)
+            take = order[: min(area // width, self.config.max_num_seqs)]
+            order = order[len(take):]
+            calls.append((bucket(len(take), self.config.max_num_seqs), width, take))
+        return calls
+
+    def prefill(
+        self, slots: list[int], chunks: list[list[int]], rows: list[SampleRow], max_blocks: int, shape: tuple[int, int]
+    ) -> StepOut:
+        """Append each chunk to its row and sample a token at each row's last one.
+
+        ``shape``: ``(rows, width)`` from ``plan_prefill``. ``max_blocks``: the most
+        blocks any live row holds after this step; unused: a prefill call attends
+        through the whole table (``max_blocks_per_seq`` columns), so each ``(rows,
+        width)`` shape compiles once, not once per table width. A prefill's attention is
+        a small part of its cost next to its matmuls (e.g. 256 new tokens over 1024
+        keys: ~1/3 of the matmul FLOPs, at the widest), and while long sequences run,
+        which is most of the time, the narrowed width would be the full one anyway.
+        Returns device arrays (fetch them with ``fetch``).
+        """
+        del max_blocks
+        size, width = shape
+        assert len(slots) <= size and max(map(len, chunks)) <= width
         tokens = np.zeros((size, width), np.int32)
         num_tokens = np.zeros((size,), np.int32)
         for i, chunk in enumerate(chunks):
@@ -254,16 +359,58 @@ class ModelRunner:
             num_tokens[i] = len(chunk)
         return self._run_step(
             "prefill", self._prefill, tokens, self._ids(slots, size), num_tokens, *self._sampling(rows, size),
-            greedy_only=_all_greedy(rows),
+            greedy_only=_all_greedy(rows), width=self.config.max_blocks_per_seq,
         )
 
-    def decode(self, slots: list[int], tokens: list[int], rows: list[SampleRow]) -> StepOut:
+    def plan_decode(self, blocks: list[int]) -> list[tuple[list[int], int]]:
+        """Group decode rows into calls: ``[(row indices, max blocks among them), ...]``.
+
+        ``blocks[i]``: blocks row i holds after its append. A call's attention reads
+        ``decode_size(rows) * table_width(max blocks)`` keys, so one call for a batch of
+        mostly short rows and a few long ones reads mostly padding; splitting it by table
+        width costs one more call (its fixed cost, its own row padding). Rows sorted by
+        length are cut at table-width boundaries, every cut subset is priced with
+        ``decode_cost``, and the cheapest grouping wins (fewest calls on ties). The same
+        rule serves every engine (the static baseline included).
+        """
+        order = sorted(range(len(blocks)), key=lambda i: blocks[i])
+        if not (self.config.split_decode and self.config.narrow_tables) or len(blocks) < 2:
+            return [(order, max(blocks))]
+        widths = [self.table_width(blocks[i]) for i in order]
+        cuts = [k for k in range(1, len(order)) if widths[k] != widths[k - 1]]
+        fixed, per_row, per_key = self.config.decode_cost
+        bs = self.config.block_size
+
+        def cost(lo: int, hi: int) -> float:
+            size = self.decode_size(hi - lo)
+            return fixed + size * (per_row + per_key * widths[hi - 1] * bs)
+
+        best = None
+        for mask in range(1 << len(cuts)):
+            bounds = [0, *(c for j, c in enumerate(cuts) if mask >> j & 1), len(order)]
+            total = sum(cost(a, b) for a, b in zip(bounds, bounds[1:]))
+            key = (total, len(bounds))
+            if best is None or key < best[0]:
+                best = (key, bounds)
+        bounds = best[1]
+        return [(order[a:b], blocks[order[b - 1]]) for a, b in zip(bounds, bounds[1:])]
+
+    def decode_size(self, n: int) -> int:
+        """Rows of a decode call for ``n`` sequences: a multiple of 8 (at least 8, at most
+        ``max_num_seqs``). A padding row costs as much as a real one once the matmuls
+        are compute-bound (CPU, batch >= ~8), so the buckets are finer than powers of two
+        (padding < 8 rows), at the price of at most ``max_num_seqs / 8`` compiled sizes
+        per table width. Below 8 rows the cost barely changes (weights dominate)."""
+        cap = self.config.max_num_seqs
+        return min(max(8, -(-n // 8) * 8), cap)
+
+    def decode(self, slots: list[int], tokens: list[int], rows: list[SampleRow], max_blocks: int) -> StepOut:
         """Append one token to each row and sample the next (device arrays, padded)."""
-        size = bucket(len(slots), self.config.max_num_seqs)
+        size = self.decode_size(len(slots))
         toks = np.asarray(list(tokens) + [0] * (size - len(tokens)), np.int32)
         return self._run_step(
             "decode", self._decode, toks, self._ids(slots, size), *self._sampling(rows, size),
-            greedy_only=_all_greedy(rows),
+            greedy_only=_all_greedy(rows), width=self.table_width(max_blocks),
         )
 
     @staticmethod
@@ -296,7 +443,9 @@ class ModelRunner:
         Returns one numpy array per leaf of the block data, block axis first:
         ``[num_blocks, *block_shape]``. The row itself is left as is (release it next).
         """
-        ids = np.asarray(self.cache_state.block_tables[slot, :num_blocks])
+        # Fetch the whole (small) table and slice on the host: device slicing with a
+        # Python index would compile a program per (slot, length).
+        ids = np.asarray(self.cache_state.block_tables)[slot, :num_blocks]
         assert (ids >= 0).all(), ids
         size = bucket(num_blocks, self.config.max_blocks_per_seq)
         padded = np.concatenate([ids, np.full(size - num_blocks, ids[-1])]).astype(np.int32)
@@ -321,7 +470,7 @@ class ModelRunner:
             max_tokens=self.config.max_blocks_per_seq * self.config.block_size,
         )
         raise_for_status("swap-in (open + append_slots)", ids, status)
-        new_ids = np.asarray(rows[0, :num_blocks])
+        new_ids = np.asarray(rows)[0, :num_blocks]
         size = bucket(num_blocks, self.config.max_blocks_per_seq)
         # Pad by repeating the last block with its own data: an idempotent write.
         padded_ids = np.concatenate([new_ids, np.full(size - num_blocks, new_ids[-1])]).astype(np.int32)

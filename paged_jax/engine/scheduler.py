@@ -50,6 +50,7 @@ class SchedulerConfig:
     block_size: int
     preemption_mode: str = "recompute"
     victim_policy: VictimPolicy | str = "most_recently_admitted"
+    admission_lookahead: int = 0  # steps of running sequences' growth kept free at admission
 
     def __post_init__(self):
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -61,6 +62,8 @@ class SchedulerConfig:
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                 f"max_num_seqs={self.max_num_seqs} (every running sequence decodes each step)"
             )
+        if not isinstance(self.admission_lookahead, int) or self.admission_lookahead < 0:
+            raise ValueError(f"admission_lookahead={self.admission_lookahead!r}: must be an int >= 0")
         object.__setattr__(self, "victim_policy", get_victim_policy(self.victim_policy))
 
 
@@ -109,6 +112,14 @@ class Scheduler:
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))  # stack, row 0 first
         self._clock = 0  # admissions so far: the victim policy's notion of "recent"
         self.counters = SchedulerCounters()
+        # Host mirror of the pool's free count. The engine never shares a block (one
+        # completion per request, no prefix cache), so every running sequence holds
+        # exactly ceil(num_computed / block_size) blocks of its own, and the scheduler
+        # can count on the host instead of syncing the device before each step. The
+        # engine resets it from the device after every step (the count comes back with
+        # the sampled tokens) and, with debug checks, compares it with the device.
+        self.num_free = runner.num_free_blocks()
+        self.debug = False  # cross-check host block arithmetic against the device
 
     # ------------------------------------------------------------------ queues
 
@@ -128,19 +139,22 @@ class Scheduler:
         preempted = False
         while True:
             work = self._plan_running(budget)
-            need, free = self.runner.blocks_needed([s.slot for s, _ in work], [n for _, n in work])
-            if int(need.sum()) <= free:
+            need = self._blocks_needed(work)
+            if need <= self.num_free:
                 break
             self._preempt(self._pick_victim())
             preempted = True
-        free -= int(need.sum())
+        free = self.num_free - need
         budget -= sum(n for _, n in work)
+        # Kept free for the running sequences' growth over the next steps (paged only:
+        # static reservations already cover growth).
+        reserve = self._growth_reserve(work) if self.accounting.may_preempt else 0
 
         if not preempted:
             while self.swapped and budget >= 1 and len(self.running) < cfg.max_num_seqs:
                 seq = self.swapped[0]
                 n = min(seq.num_pending, budget)  # 1 unless swapped mid-prefill
-                if not self._can_swap_in(seq, n, free):
+                if not self._can_swap_in(seq, n, free - reserve):
                     break
                 self.swapped.popleft()
                 self._swap_in(seq)
@@ -151,7 +165,7 @@ class Scheduler:
         if not preempted and not self.swapped:
             while self.waiting and budget >= 1 and len(self.running) < cfg.max_num_seqs:
                 seq = self.waiting[0]
-                if not self.accounting.can_admit(seq.num_tokens, free, bool(self.running)):
+                if not self.accounting.can_admit(seq.num_tokens, free - reserve, bool(self.running)):
                     break
                 self.waiting.popleft()
                 self._admit(seq)
@@ -161,6 +175,35 @@ class Scheduler:
                 free -= blocks_for(seq.num_tokens, cfg.block_size)
                 budget -= n
         return StepPlan(work)
+
+    def _blocks_needed(self, work: list[tuple[Sequence, int]]) -> int:
+        """New blocks the appends of ``work`` take (host arithmetic: nothing is shared,
+        so there are no copy-on-write targets). Checked against the block manager's own
+        ``blocks_needed`` when ``debug`` is on."""
+        bs = self.config.block_size
+        need = [blocks_for(s.num_computed + n, bs) - blocks_for(s.num_computed, bs) for s, n in work]
+        if self.debug:
+            device, free = self.runner.blocks_needed([s.slot for s, _ in work], [n for _, n in work])
+            assert device.tolist() == need and free == self.num_free, (device.tolist(), need, free, self.num_free)
+        return sum(need)
+
+    def _growth_reserve(self, work: list[tuple[Sequence, int]]) -> int:
+        """Blocks the running sequences will take over the next ``admission_lookahead``
+        steps beyond this one's appends: the rest of a chunked prompt, plus one token per
+        step, capped at each request's ``max_tokens`` (a bound the request states, not an
+        oracle: generation may stop earlier). Admitting only above it avoids admitting a
+        request that the next few steps' growth would preempt again (recompute churn)."""
+        k = self.config.admission_lookahead
+        if not k:
+            return 0
+        bs = self.config.block_size
+        after = {id(s): s.num_computed + n for s, n in work}
+        total = 0
+        for s in self.running:
+            held = after.get(id(s), s.num_computed)
+            final = len(s.prompt_token_ids) + s.max_tokens
+            total += blocks_for(min(s.num_tokens + k, final), bs) - blocks_for(held, bs)
+        return total
 
     def _plan_running(self, budget: int) -> list[tuple[Sequence, int]]:
         """Decodes first (1 token each), then prefill chunks in admission order."""
@@ -181,6 +224,7 @@ class Scheduler:
             return
         self.runner.release([s.slot for s in seqs])
         for s in seqs:
+            self.num_free += blocks_for(s.num_computed, self.config.block_size)
             self.running.remove(s)
             self._return_slot(s)
             s.status = SeqStatus.FINISHED
@@ -219,6 +263,7 @@ class Scheduler:
                 return
             self.counters.swap_fallbacks += 1
         self.runner.release([seq.slot])
+        self.num_free += blocks_for(seq.num_computed, self.config.block_size)
         self._return_slot(seq)
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
@@ -232,6 +277,7 @@ class Scheduler:
         data = self.runner.swap_out(seq.slot, num_blocks)
         seq.host_blocks = self.swap_pool.store(data)
         self.runner.release([seq.slot])
+        self.num_free += num_blocks
         self._return_slot(seq)
         seq.status = SeqStatus.SWAPPED
         self.swapped.appendleft(seq)
@@ -246,6 +292,7 @@ class Scheduler:
     def _swap_in(self, seq: Sequence) -> None:
         slot = self._free_slots.pop()
         self.runner.swap_in(slot, seq.num_computed, self.swap_pool.load(seq.host_blocks))
+        self.num_free -= len(seq.host_blocks)
         self.swap_pool.free(seq.host_blocks)
         self.counters.swap_ins += 1
         self.counters.blocks_swapped_in += len(seq.host_blocks)

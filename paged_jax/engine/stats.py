@@ -4,6 +4,12 @@ KV utilisation of a step = tokens whose K/V are held / token slots the cache is 
 for (paged: slots of allocated blocks; static: slots of reserved blocks), measured after
 the step's appends and before finished sequences are released. The summary averages it
 over steps (each step weighs the same: a time average in units of steps).
+
+Each step's wall time is also split into phases (``phase_seconds``): ``schedule`` (host
+decisions, with the block-manager calls they make: open, release, swap), ``dispatch``
+(building the padded arrays and enqueueing the jitted calls), ``sync`` (waiting for the
+device: the step's compute, since dispatch is asynchronous) and ``update`` (appending
+tokens, releasing the finished). ``timeline`` keeps one row per step for plots.
 """
 
 from __future__ import annotations
@@ -26,6 +32,10 @@ class EngineStats:
     peak_charged_blocks: int = 0
     peak_allocated_blocks: int = 0
     charged_blocks_sum: int = 0
+    phase_seconds: dict = dataclasses.field(default_factory=dict)
+    # One entry per step: (end time in step-seconds since the start, batch, tokens held,
+    # charged blocks, generated tokens).
+    timeline: list = dataclasses.field(default_factory=list)
 
     def record_step(
         self,
@@ -37,6 +47,7 @@ class EngineStats:
         allocated_blocks: int,
         charged_blocks: int,
         seconds: float,
+        phases: dict | None = None,
     ) -> None:
         """One engine step: ``batch`` sequences ran, ``generated`` tokens were sampled."""
         self.steps += 1
@@ -48,6 +59,9 @@ class EngineStats:
         self.peak_allocated_blocks = max(self.peak_allocated_blocks, allocated_blocks)
         self.peak_charged_blocks = max(self.peak_charged_blocks, charged_blocks)
         self.charged_blocks_sum += charged_blocks
+        for name, sec in (phases or {}).items():
+            self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + sec
+        self.timeline.append((self.step_seconds, batch, tokens_held, charged_blocks, generated))
         if charged_blocks:
             self.util_sum += tokens_held / (charged_blocks * self.block_size)
             self.util_steps += 1
@@ -67,4 +81,5 @@ class EngineStats:
             "peak_blocks_allocated": self.peak_allocated_blocks,
             "mean_blocks_used": self.charged_blocks_sum / steps,
             "num_blocks": self.num_blocks,
+            "phase_seconds": dict(self.phase_seconds),
         }

@@ -58,11 +58,10 @@ def study_model(max_model_len: int):
     )
 
 
-def step_curve(config, batches: list[int], context: int, widths: list[int]) -> list[dict]:
-    """Decode step time vs batch, every row holding ``context`` tokens, attending through
-    a table of ``width`` blocks (the engine's decode steps attend through the narrowed
-    table: its width follows the longest live row, not each row's own length). Plain
-    decode steps (``paged_jax.steps``), as the engine calls them, without the sampler."""
+def step_curve(config, batches: list[int], contexts: list[int], max_model_len: int) -> list[dict]:
+    """Decode step time vs batch, every row holding ``context`` tokens. Plain decode steps
+    (``paged_jax.steps``) with the study's attention ("xla": it reads the blocks each row
+    holds, whatever the table width), without the sampler."""
     import jax.numpy as jnp
 
     from paged_jax.cache import append_slots, init_state, open_sequences
@@ -72,27 +71,27 @@ def step_curve(config, batches: list[int], context: int, widths: list[int]) -> l
 
     _, params = init_params(config, 0)
     fns = make_step_fns(config, attention_impl="xla")
+    width = -(-max_model_len // BLOCK_SIZE)
     rows = []
-    for width in widths:
-        ctx = min(context, width * BLOCK_SIZE - 8)
+    for ctx in contexts:
+        ctx = min(ctx, max_model_len - 8)
         for b in batches:
             cache = CacheConfig(num_blocks=b * width, block_size=BLOCK_SIZE, max_seqs=b, max_blocks_per_seq=width)
             state, pages = init_state(cache), init_pages_for(config, cache)
             ids = jnp.arange(b, dtype=jnp.int32)
             state, _ = open_sequences(state, ids)
-            state, _ = append_slots(state, ids, jnp.full((b,), ctx, jnp.int32), max_tokens=ctx)
+            state, _ = append_slots(state, ids, jnp.full((b,), ctx - 1, jnp.int32), max_tokens=max_model_len)
             tokens = jnp.zeros((b,), jnp.int32)
             logits, state, pages, _ = fns.decode(params, state, pages, tokens, ids)  # compile
             logits.block_until_ready()
             times = []
-            for _ in range(5):
+            for _ in range(5):  # rows grow by a token a call: negligible next to ctx
                 start = time.perf_counter()
                 logits, state, pages, _ = fns.decode(params, state, pages, tokens, ids)
                 logits.block_until_ready()
                 times.append(time.perf_counter() - start)
             ms = float(np.median(times)) * 1e3
-            rows.append({"batch": b, "table_blocks": width, "context": ctx, "step_ms": ms,
-                         "tokens_per_s": b / ms * 1e3})
+            rows.append({"batch": b, "context": ctx, "step_ms": ms, "tokens_per_s": b / ms * 1e3})
     return rows
 
 
@@ -211,15 +210,14 @@ def main(argv: list[str] | None = None) -> dict:
         f"{num_blocks * BLOCK_SIZE * kv_bytes_per_token / 2**20:.1f} MiB (static fits {STATIC_SEQS} sequences)"
     )
 
-    full_width = -(-max_model_len // BLOCK_SIZE)
-    context = int(workload["mean_prompt"] + workload["mean_output"] / 2)
-    widths = sorted({min(full_width, 1 << (-(-(context + 8) // BLOCK_SIZE) - 1).bit_length()), full_width})
+    mean_context = int(workload["mean_prompt"] + workload["mean_output"] / 2)
+    contexts = sorted({mean_context, min(2 * mean_context, max_model_len)})
     start = time.perf_counter()
-    curve = step_curve(config, [8, 16, 32, 64], context, widths)
+    curve = step_curve(config, [8, 16, 32, 64], contexts, max_model_len)
     curve_seconds = time.perf_counter() - start
-    print(f"decode step vs batch (rows hold ~{context} tokens; table width = keys each row's attention reads):")
+    print(f"decode step vs batch (every row holding the workload's mean context, {mean_context} tokens, or twice it):")
     for row in curve:
-        print(f"  table {row['table_blocks'] * BLOCK_SIZE:5d} keys, batch {row['batch']:3d}: "
+        print(f"  context {row['context']:5d}, batch {row['batch']:3d}: "
               f"{row['step_ms']:7.1f} ms/step  {row['tokens_per_s']:8.0f} tokens/s")
 
     # Same settings for both engines; admission_lookahead only matters to the paged one
@@ -299,7 +297,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "bytes": num_blocks * BLOCK_SIZE * kv_bytes_per_token, **budget},
         "method": "greedy, EOS ignored, same requests/model/pool/step functions; engines stepped in turn "
                   "(furthest behind first); tokens/s = generated / (own step time - compile time)",
-        "step_time_vs_batch": {"context": context, "rows": curve, "seconds": curve_seconds},
+        "step_time_vs_batch": {"contexts": contexts, "rows": curve, "seconds": curve_seconds},
         "run_seconds": run_seconds,
         "paged": paged,
         "static": static,

@@ -118,7 +118,8 @@ def make_step_fns(
     Args:
       model_config: the model; ``params`` passed to the steps must be ``nnx.split``'s
         state of this config's ``LlamaForCausalLM`` (e.g. from ``load_model``).
-      attention_impl: "auto" | "xla" | "pallas" | "pallas_interpret" (``attention.dispatch``).
+      attention_impl: "auto" | "xla" | "reference" | "pallas" | "pallas_interpret"
+        (``attention.dispatch``).
       on_trace: optional hook called as ``on_trace("prefill" | "decode", tokens.shape)``
         each time a step is traced (i.e. compiled for a new shape): for compile counts.
 

@@ -3,7 +3,9 @@
 One query token per sequence attends over that sequence's KV cache, which lives in a
 shared pool of fixed-size physical blocks addressed through a block table:
 
-  k_pages, v_pages: [num_kv_heads, num_blocks, block_size, head_dim]
+  k_pages, v_pages: [num_kv_heads, num_blocks, block_size, head_dim], or every layer's
+                    pool [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+                    with a static ``layer=i`` naming the one to read.
   block_tables:     int32[batch, max_blocks_per_seq]; logical block j of sequence b is
                     physical block block_tables[b, j]; unused entries are -1.
   lengths:          int32[batch]; valid KV tokens of each sequence (0 allowed).
@@ -22,6 +24,11 @@ Kernel design (one program per (sequence, kv head, split)):
   parts processed by different programs; each writes its unnormalised partial output and
   running (max, sum), and a log-sum-exp combine in plain jnp merges them.  With one split
   the kernel normalises and writes the final output itself (no second pass).
+* Layer-stacked pages: with ``layer=i`` the 5-D pool goes to the kernel whole and its
+  BlockSpec index map pins the leading dimension to ``i`` (a squeezed dimension), so the
+  kernel reads that layer in place.  Slicing ``pages[i]`` outside the kernel instead would
+  make XLA materialise a copy of the layer's entire pool on every call, because a slice
+  cannot be fused into a custom call's operand.
 * Robust to garbage: table entries are clamped to >= 0 before they are dereferenced (the
   last step may cover columns past the sequence's end, which may hold -1), masked logits
   get a finite mask value, masked probabilities are forced to exactly 0, and masked V rows
@@ -213,6 +220,45 @@ def default_num_splits(batch: int, num_kv_heads: int, max_len: int, num_sms: int
     return int(min(_next_pow2(want) if want > 1 else 1, _next_pow2(cap) if cap > 1 else 1, 64))
 
 
+def check_layer(k_pages, layer) -> int | None:
+    """Validates the rank of the pages against ``layer``; returns ``layer`` as an int or None.
+
+    ``layer=None`` needs 4-D pages [num_kv_heads, num_blocks, block_size, head_dim];
+    ``layer=i`` needs 5-D pages [num_layers, ...] and 0 <= i < num_layers.
+    """
+    if layer is None:
+        if k_pages.ndim == 5:
+            raise ValueError(
+                f"k_pages of shape {k_pages.shape} is 5-D [num_layers, num_kv_heads, num_blocks, "
+                "block_size, head_dim]: pass layer=i to choose the layer"
+            )
+        if k_pages.ndim != 4:
+            raise ValueError(
+                "k_pages must be [num_kv_heads, num_blocks, block_size, head_dim] (or 5-D "
+                f"[num_layers, ...] with layer=i), got shape {k_pages.shape}"
+            )
+        return None
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+        raise ValueError(f"layer must be a Python int (a static index) or None, got {layer!r}")
+    if k_pages.ndim != 5:
+        raise ValueError(
+            f"layer={layer} needs 5-D pages [num_layers, num_kv_heads, num_blocks, block_size, "
+            f"head_dim], got shape {k_pages.shape}; pass layer=None for one layer's 4-D pages"
+        )
+    num_layers = k_pages.shape[0]
+    if not 0 <= layer < num_layers:
+        raise ValueError(
+            f"layer={layer} is out of range [0, {num_layers}) for pages of shape {k_pages.shape}"
+        )
+    return int(layer)
+
+
+def page_shape(shape: tuple[int, ...], layer: int | None) -> tuple[int, int, int, int]:
+    """(num_kv_heads, num_blocks, block_size, head_dim) of one layer's pool, from the shape
+    of 4-D pages (layer None) or of 5-D layer-stacked pages (layer an index)."""
+    return tuple(shape[1:] if layer is not None else shape)
+
+
 def _check_common(
     q_heads: int,
     head_dim: int,
@@ -226,12 +272,10 @@ def _check_common(
     num_splits: int,
     num_warps: int,
     num_stages: int,
-) -> tuple[int, int]:
-    """Validates what both kernels share; returns (group, blocks_per_step)."""
-    if k_pages.ndim != 4:
-        raise ValueError(
-            f"k_pages must be [num_kv_heads, num_blocks, block_size, head_dim], got shape {k_pages.shape}"
-        )
+    layer: int | None = None,
+) -> tuple[int, int, int | None]:
+    """Validates what both kernels share; returns (group, blocks_per_step, layer)."""
+    layer = check_layer(k_pages, layer)
     if k_pages.shape != v_pages.shape:
         raise ValueError(
             f"k_pages and v_pages must have the same shape, got {k_pages.shape} and {v_pages.shape}"
@@ -240,7 +284,7 @@ def _check_common(
         raise ValueError(
             f"k_pages and v_pages must have the same dtype, got {k_pages.dtype} and {v_pages.dtype}"
         )
-    num_kv_heads, _, block_size, head_dim_k = k_pages.shape
+    num_kv_heads, _, block_size, head_dim_k = page_shape(k_pages.shape, layer)
     if head_dim_k != head_dim:
         raise ValueError(f"head_dim of q ({head_dim}) and of the pages ({head_dim_k}) differ")
     for name, dt in (("q", q_dtype), ("k_pages", k_pages.dtype)):
@@ -279,7 +323,21 @@ def _check_common(
         raise ValueError(f"num_warps={num_warps} must be a power of two <= 16")
     if num_stages < 1:
         raise ValueError(f"num_stages={num_stages} must be >= 1")
-    return group, blocks_per_step
+    return group, blocks_per_step, layer
+
+
+def pages_spec(shape: tuple[int, ...], layer: int | None, head_index) -> pl.BlockSpec:
+    """BlockSpec handing the kernel one kv head's [num_blocks, block_size, head_dim] pool.
+
+    ``head_index`` maps the grid indices to the kv head.  With ``layer`` set the pages are
+    5-D and the layer dimension is squeezed too, its index pinned to ``layer``: the kernel
+    reads the layer straight out of the stacked pool (no slice of it exists outside).
+    """
+    s = _SQUEEZED
+    _, num_blocks, block_size, head_dim = page_shape(shape, layer)
+    if layer is None:
+        return pl.BlockSpec((s, num_blocks, block_size, head_dim), lambda *g: (head_index(*g), 0, 0, 0))
+    return pl.BlockSpec((s, s, num_blocks, block_size, head_dim), lambda *g: (layer, head_index(*g), 0, 0, 0))
 
 
 def prepare_table(
@@ -302,8 +360,8 @@ def prepare_table(
 
 def paged_attention_grid(
     q: jax.Array,  # [batch, num_kv_heads, block_h, head_dim], group rows zero-padded
-    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
-    v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim] ([L, ...] with layer)
+    v_pages: jax.Array,  # same shape as k_pages
     block_tables: jax.Array,  # int32[batch, padded_blocks_per_seq]
     lengths: jax.Array,  # int32[batch]
     *,
@@ -314,10 +372,14 @@ def paged_attention_grid(
     num_stages: int,
     interpret: bool,
     mask_value: float,
+    layer: int | None = None,
 ) -> jax.Array:
-    """Builds the (batch, kv_head, split) grid; returns [batch, num_kv_heads, block_h, head_dim]."""
+    """Builds the (batch, kv_head, split) grid; returns [batch, num_kv_heads, block_h, head_dim].
+
+    ``layer=None``: 4-D pages; ``layer=i``: 5-D layer-stacked pages, layer i read in place.
+    """
     batch, num_kv_heads, block_h, head_dim = q.shape
-    _, num_blocks, block_size, _ = k_pages.shape
+    _, _, block_size, _ = page_shape(k_pages.shape, layer)
     width = block_tables.shape[1]
     s = _SQUEEZED
 
@@ -332,8 +394,8 @@ def paged_attention_grid(
         pl.BlockSpec((1,), lambda b, h, j: (b,)),  # lengths
         pl.BlockSpec((s, width), lambda b, h, j: (b, 0)),  # block_tables
         pl.BlockSpec((s, s, block_h, head_dim), lambda b, h, j: (b, h, 0, 0)),  # q
-        pl.BlockSpec((s, num_blocks, block_size, head_dim), lambda b, h, j: (h, 0, 0, 0)),  # k_pages
-        pl.BlockSpec((s, num_blocks, block_size, head_dim), lambda b, h, j: (h, 0, 0, 0)),  # v_pages
+        pages_spec(k_pages.shape, layer, lambda b, h, j: h),  # k_pages
+        pages_spec(v_pages.shape, layer, lambda b, h, j: h),  # v_pages
     ]
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
@@ -375,6 +437,7 @@ def paged_attention_grid(
         "num_stages",
         "interpret",
         "mask_value",
+        "layer",
     ],
 )
 def paged_attention(
@@ -391,14 +454,17 @@ def paged_attention(
     num_stages: int = 2,
     interpret: bool = False,
     mask_value: float = DEFAULT_MASK_VALUE,
+    layer: int | None = None,
 ) -> jax.Array:
     """Paged (grouped-query) decode attention.
 
     Args:
       q: [batch, num_q_heads, head_dim] float32/bfloat16/float16; q head h reads kv head
         h // (num_q_heads // num_kv_heads).
-      k_pages: [num_kv_heads, num_blocks, block_size, head_dim], same dtype as v_pages.
-      v_pages: [num_kv_heads, num_blocks, block_size, head_dim].
+      k_pages: [num_kv_heads, num_blocks, block_size, head_dim] when ``layer`` is None;
+        [num_layers, num_kv_heads, num_blocks, block_size, head_dim] (every layer's pool)
+        when ``layer`` is an int.  Same shape and dtype as v_pages.
+      v_pages: same shape as k_pages.
       block_tables: int32[batch, max_blocks_per_seq]; entries past a sequence's blocks may
         be -1 (never dereferenced).
       lengths: int32[batch] valid KV tokens per sequence, 0 <= lengths <=
@@ -412,16 +478,20 @@ def paged_attention(
       num_warps, num_stages: Triton launch parameters.
       interpret: run the kernel in the Pallas interpreter (CPU testing).
       mask_value: finite logit given to masked slots.
+      layer: None for 4-D pages, or the static index (0 <= layer < num_layers) of the layer
+        to read from 5-D pages.  The kernel reads that layer in place; slicing
+        ``pages[layer]`` before the call would make XLA copy the layer's whole pool.
 
     Returns:
       [batch, num_q_heads, head_dim] in q's dtype; rows with length 0 are 0.
 
     Raises:
       ValueError: on shapes, dtypes or tuning parameters the kernel does not support
-        (head_dim not in {64, 128, 256}, block_size not in {8..128}, ...).
+        (head_dim not in {64, 128, 256}, block_size not in {8..128}, ...), or when the
+        rank of the pages and ``layer`` disagree or ``layer`` is out of range.
     """
     batch, num_q_heads, head_dim = q.shape
-    group, blocks_per_step = _check_common(
+    group, blocks_per_step, layer = _check_common(
         num_q_heads,
         head_dim,
         q.dtype,
@@ -434,8 +504,9 @@ def paged_attention(
         num_splits,
         num_warps,
         num_stages,
+        layer=layer,
     )
-    num_kv_heads, _, block_size, _ = k_pages.shape
+    num_kv_heads, _, block_size, _ = page_shape(k_pages.shape, layer)
     if scale is None:
         scale = head_dim**-0.5
     block_h = max(MIN_DOT_DIM, _next_pow2(group))
@@ -457,6 +528,7 @@ def paged_attention(
         num_stages=num_stages,
         interpret=interpret,
         mask_value=mask_value,
+        layer=layer,
     )
     return o[:, :, :group, :].reshape(batch, num_q_heads, head_dim)
 
@@ -494,7 +566,13 @@ def masked_softmax_attention(q, k, v, mask, scale):
     return o / jnp.where(den == 0.0, 1.0, den)
 
 
-@functools.partial(jax.jit, static_argnames=["scale"])
+def select_layer(pages: jax.Array, layer: int | None) -> jax.Array:
+    """One layer's [num_kv_heads, num_blocks, block_size, head_dim] pages (for the references)."""
+    layer = check_layer(pages, layer)
+    return pages if layer is None else pages[layer]
+
+
+@functools.partial(jax.jit, static_argnames=["scale", "layer"])
 def paged_attention_reference(
     q: jax.Array,
     k_pages: jax.Array,
@@ -503,11 +581,14 @@ def paged_attention_reference(
     lengths: jax.Array,
     *,
     scale: float | None = None,
+    layer: int | None = None,
 ) -> jax.Array:
     """Plain-jnp reference: gather K/V through the table, masked softmax in float32.
 
-    Same arguments and result as ``paged_attention`` (no tuning parameters).
+    Same arguments and result as ``paged_attention`` (no tuning parameters), including
+    ``layer`` for 5-D layer-stacked pages.
     """
+    k_pages, v_pages = select_layer(k_pages, layer), select_layer(v_pages, layer)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads

@@ -6,7 +6,9 @@ cache, and query t attends causally to everything before it, including the earli
 queries of its own chunk.
 
   q:            [batch, chunk, num_q_heads, head_dim]
-  k_pages/v_pages: [num_kv_heads, num_blocks, block_size, head_dim]
+  k_pages/v_pages: [num_kv_heads, num_blocks, block_size, head_dim], or every layer's
+                pool [num_layers, num_kv_heads, num_blocks, block_size, head_dim] with a
+                static ``layer=i`` (read in place by the kernel, as in the decode kernel)
   block_tables: int32[batch, max_blocks_per_seq] (-1 = no block)
   lengths:      int32[batch] total KV length INCLUDING the chunk's own tokens
   q_lens:       int32[batch] valid queries per row (<= chunk)
@@ -47,7 +49,10 @@ from pallas_kernels.paged_attention import (
     init_carry,
     masked_softmax_attention,
     online_softmax_step,
+    page_shape,
+    pages_spec,
     prepare_table,
+    select_layer,
     split_range,
 )
 
@@ -118,8 +123,8 @@ def paged_attention_chunk_kernel(
 
 def paged_attention_chunk_grid(
     q: jax.Array,  # [batch, num_kv_heads, padded_rows, head_dim], rows r = t * group + g
-    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
-    v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim] ([L, ...] with layer)
+    v_pages: jax.Array,  # same shape as k_pages
     block_tables: jax.Array,  # int32[batch, padded_blocks_per_seq]
     lengths: jax.Array,  # int32[batch]
     q_lens: jax.Array,  # int32[batch]
@@ -133,10 +138,14 @@ def paged_attention_chunk_grid(
     num_stages: int,
     interpret: bool,
     mask_value: float,
+    layer: int | None = None,
 ) -> jax.Array:
-    """Builds the (batch, kv_head, row_block, split) grid; returns q-shaped output."""
+    """Builds the (batch, kv_head, row_block, split) grid; returns q-shaped output.
+
+    ``layer=None``: 4-D pages; ``layer=i``: 5-D layer-stacked pages, layer i read in place.
+    """
     batch, num_kv_heads, padded_rows, head_dim = q.shape
-    _, num_blocks, block_size, _ = k_pages.shape
+    _, _, block_size, _ = page_shape(k_pages.shape, layer)
     width = block_tables.shape[1]
     num_row_blocks = padded_rows // block_rows
     s = _SQUEEZED
@@ -154,8 +163,8 @@ def paged_attention_chunk_grid(
         pl.BlockSpec((1,), lambda b, h, r, j: (b,)),  # q_lens
         pl.BlockSpec((s, width), lambda b, h, r, j: (b, 0)),  # block_tables
         pl.BlockSpec((s, s, block_rows, head_dim), lambda b, h, r, j: (b, h, r, 0)),  # q
-        pl.BlockSpec((s, num_blocks, block_size, head_dim), lambda b, h, r, j: (h, 0, 0, 0)),  # k_pages
-        pl.BlockSpec((s, num_blocks, block_size, head_dim), lambda b, h, r, j: (h, 0, 0, 0)),  # v_pages
+        pages_spec(k_pages.shape, layer, lambda b, h, r, j: h),  # k_pages
+        pages_spec(v_pages.shape, layer, lambda b, h, r, j: h),  # v_pages
     ]
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
@@ -223,6 +232,7 @@ def _clamp_q_lens(q_lens: jax.Array, lengths: jax.Array, chunk: int) -> jax.Arra
         "num_stages",
         "interpret",
         "mask_value",
+        "layer",
     ],
 )
 def paged_attention_chunk(
@@ -241,13 +251,16 @@ def paged_attention_chunk(
     num_stages: int = 2,
     interpret: bool = False,
     mask_value: float = DEFAULT_MASK_VALUE,
+    layer: int | None = None,
 ) -> jax.Array:
     """Paged causal multi-query (chunk) attention with grouped-query heads.
 
     Args:
       q: [batch, chunk, num_q_heads, head_dim] float32/bfloat16/float16.
-      k_pages: [num_kv_heads, num_blocks, block_size, head_dim], same dtype as v_pages.
-      v_pages: [num_kv_heads, num_blocks, block_size, head_dim].
+      k_pages: [num_kv_heads, num_blocks, block_size, head_dim] when ``layer`` is None;
+        [num_layers, num_kv_heads, num_blocks, block_size, head_dim] (every layer's pool)
+        when ``layer`` is an int.  Same shape and dtype as v_pages.
+      v_pages: same shape as k_pages.
       block_tables: int32[batch, max_blocks_per_seq]; -1 past a sequence's blocks.
       lengths: int32[batch] KV length including this chunk's tokens (clamped to the
         table's capacity).
@@ -260,17 +273,21 @@ def paged_attention_chunk(
       num_warps, num_stages: Triton launch parameters.
       interpret: run in the Pallas interpreter (CPU testing).
       mask_value: finite logit given to masked slots.
+      layer: None for 4-D pages, or the static index (0 <= layer < num_layers) of the layer
+        to read from 5-D pages, in place (no copy of the layer's pool), as in
+        ``paged_attention``.
 
     Returns:
       [batch, chunk, num_q_heads, head_dim] in q's dtype; rows t >= q_lens[b] are 0.
 
     Raises:
-      ValueError: on unsupported shapes, dtypes or tuning parameters.
+      ValueError: on unsupported shapes, dtypes or tuning parameters, or when the rank of
+        the pages and ``layer`` disagree or ``layer`` is out of range.
     """
     if q.ndim != 4:
         raise ValueError(f"q must be [batch, chunk, num_q_heads, head_dim], got {q.shape}")
     batch, chunk, num_q_heads, head_dim = q.shape
-    group, blocks_per_step = _check_common(
+    group, blocks_per_step, layer = _check_common(
         num_q_heads,
         head_dim,
         q.dtype,
@@ -283,10 +300,11 @@ def paged_attention_chunk(
         num_splits,
         num_warps,
         num_stages,
+        layer=layer,
     )
     if q_lens.shape != (batch,) or q_lens.dtype != jnp.int32:
         raise ValueError(f"q_lens must be int32[{batch}], got {q_lens.dtype}{list(q_lens.shape)}")
-    num_kv_heads, _, block_size, _ = k_pages.shape
+    num_kv_heads, _, block_size, _ = page_shape(k_pages.shape, layer)
     rows = chunk * group
     if block_rows is None:
         block_rows = default_block_rows(rows)
@@ -319,11 +337,12 @@ def paged_attention_chunk(
         num_stages=num_stages,
         interpret=interpret,
         mask_value=mask_value,
+        layer=layer,
     )
     return _from_rows_layout(o, chunk, group)
 
 
-@functools.partial(jax.jit, static_argnames=["scale"])
+@functools.partial(jax.jit, static_argnames=["scale", "layer"])
 def paged_attention_chunk_reference(
     q: jax.Array,
     k_pages: jax.Array,
@@ -333,11 +352,14 @@ def paged_attention_chunk_reference(
     q_lens: jax.Array,
     *,
     scale: float | None = None,
+    layer: int | None = None,
 ) -> jax.Array:
     """Plain-jnp reference: gather through the table, causal masked softmax in float32.
 
-    Same arguments and result as ``paged_attention_chunk`` (no tuning parameters).
+    Same arguments and result as ``paged_attention_chunk`` (no tuning parameters),
+    including ``layer`` for 5-D layer-stacked pages.
     """
+    k_pages, v_pages = select_layer(k_pages, layer), select_layer(v_pages, layer)
     batch, chunk, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -169,3 +170,93 @@ def test_lowering_check_is_not_vacuous():
             S((2, 16), jnp.int32),
             S((2,), jnp.int32),
         )
+
+
+# ------------------------------------------------------------- layer-stacked pages
+# Distinctive sizes so that the pool's shapes cannot be mistaken for any other tensor.
+LAYERS, KV_HEADS, NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM = 3, 4, 101, 16, 128
+STACKED = S((LAYERS, KV_HEADS, NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM), jnp.bfloat16)
+STACKED_TYPE = f"tensor<{LAYERS}x{KV_HEADS}x{NUM_BLOCKS}x{BLOCK_SIZE}x{HEAD_DIM}xbf16>"
+# Any tensor holding whole [.., num_blocks, block_size, head_dim] pools: the stacked pages
+# themselves, or a copy of (part of) them such as pages[layer] or one head's pool.
+POOL_TYPE = re.compile(rf"tensor<((?:\d+x)*){NUM_BLOCKS}x{BLOCK_SIZE}x{HEAD_DIM}xbf16>")
+TRITON_OPERANDS = re.compile(r"stablehlo\.custom_call @__gpu\$xla\.gpu\.triton\(([^)]*)\)")
+
+
+def _pages_reach_kernel_unsliced(text: str) -> list[str]:
+    """Problems with how the stacked pages reach the Triton call ([] = none).
+
+    The StableHLO module must (1) hold no tensor of any other pool shape (a slice, copy or
+    gather of the pages -- e.g. pages[layer]: [Hkv, N, bs, D]); (2) use the stacked pages
+    in no op other than function signatures, calls/returns and the Triton custom call, so
+    nothing slices, reshapes or copies them; and (3) pass the Triton call, as its K and V
+    operands, function arguments (not op results) of the full 5-D type.
+    """
+    problems = []
+    other = {m.group(0) for m in POOL_TYPE.finditer(text)} - {STACKED_TYPE}
+    if other:
+        problems.append(f"a layer-sized (or other) copy of the pool exists: {sorted(other)}")
+    for line in text.splitlines():
+        if STACKED_TYPE not in line:
+            continue
+        stmt = line.strip()
+        if stmt.startswith("func.func") or stmt.startswith("return") or stmt.startswith("func.return"):
+            continue
+        if re.match(r"(%\S+ = )?(func\.)?call @", stmt) or TRITON_OPERANDS.search(stmt):
+            continue
+        problems.append(f"an op other than a call uses the stacked pages: {stmt[:200]}")
+    calls = [line for line in text.splitlines() if TRITON_OPERANDS.search(line)]
+    if len(calls) != 1:
+        return [*problems, f"expected one Triton call, found {len(calls)}"]
+    operands = [o.strip() for o in TRITON_OPERANDS.search(calls[0]).group(1).split(",")]
+    signature = calls[0].rsplit("} : (", 1)[-1].split(") -> ", 1)[0]
+    types = re.findall(r"tensor<[^>]*>", signature)
+    if len(types) != len(operands):
+        return [*problems, f"cannot match operands {operands} to types {types}"]
+    pages = [(o, t) for o, t in zip(operands[-2:], types[-2:])]  # K, V: the last two operands
+    for name, typ in pages:
+        if typ != STACKED_TYPE or not re.fullmatch(r"%arg\d+", name):
+            problems.append(f"Triton call gets {name}: {typ}, not a {STACKED_TYPE} function argument")
+    return problems
+
+
+def _lower_decode_stacked(pages_fn, **kwargs):
+    return _export_for_cuda(
+        lambda q, k, v, bt, lengths: paged_attention(q, *pages_fn(k, v), bt, lengths, **kwargs),
+        S((8, 16, HEAD_DIM), jnp.bfloat16),
+        STACKED,
+        STACKED,
+        S((8, 64), jnp.int32),
+        S((8,), jnp.int32),
+    )
+
+
+@pytest.mark.parametrize("layer,splits", [(0, 1), (LAYERS - 1, 2)])
+def test_decode_stacked_pages_lower_without_layer_copy(layer, splits):
+    text = _lower_decode_stacked(lambda k, v: (k, v), layer=layer, num_splits=splits)
+    assert TRITON_CALL in text
+    assert _pages_reach_kernel_unsliced(text) == []
+
+
+@pytest.mark.parametrize("layer,splits", [(0, 2), (LAYERS - 1, 1)])
+def test_chunk_stacked_pages_lower_without_layer_copy(layer, splits):
+    text = _export_for_cuda(
+        functools.partial(paged_attention_chunk, layer=layer, num_splits=splits, block_rows=32),
+        S((4, 7, 16, HEAD_DIM), jnp.bfloat16),
+        STACKED,
+        STACKED,
+        S((4, 64), jnp.int32),
+        S((4,), jnp.int32),
+        S((4,), jnp.int32),
+    )
+    assert TRITON_CALL in text
+    assert _pages_reach_kernel_unsliced(text) == []
+
+
+def test_layer_copy_check_is_not_vacuous():
+    """Slicing pages[layer] outside the kernel (the old way) is caught by the check."""
+    text = _lower_decode_stacked(lambda k, v: (k[1], v[1]))
+    problems = _pages_reach_kernel_unsliced(text)
+    assert any("layer-sized" in p for p in problems)
+    assert any("an op other than a call" in p for p in problems)
+    assert any("not a" in p for p in problems)

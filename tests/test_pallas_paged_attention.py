@@ -20,12 +20,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels import (
+# Imported from the modules, not the package: a stale editable install can expose
+# ``pallas_kernels`` as a namespace package when pytest does not put the repo on sys.path.
+from pallas_kernels.paged_attention import (
     default_num_splits,
     paged_attention,
+    paged_attention_reference,
+)
+from pallas_kernels.paged_attention_chunk import (
     paged_attention_chunk,
     paged_attention_chunk_reference,
-    paged_attention_reference,
 )
 
 TOLERANCE = {
@@ -352,6 +356,65 @@ def test_chunk_reads_only_named_blocks_and_clamps_q_lens():
     )
 
 
+# ------------------------------------------------------------- layer-stacked pages
+NUM_LAYERS = 3
+
+
+def stack_layers(rng, pool: Pool, num_layers: int = NUM_LAYERS) -> tuple[jax.Array, jax.Array]:
+    """[num_layers, *pool page shape] pages: fresh random data in every layer, NaN in the
+    same unowned slots as ``pool`` (all layers share one block table)."""
+    poisoned = np.isnan(np.asarray(pool.k_pages, np.float32))
+    dtype = pool.k_pages.dtype
+
+    def layers():
+        x = rng.standard_normal((num_layers, *pool.k_pages.shape), np.float32)
+        x[:, poisoned] = np.nan
+        return jnp.asarray(x, dtype)
+
+    return layers(), layers()
+
+
+def test_decode_layer_reads_the_named_layer_of_stacked_pages():
+    """5-D pages + layer=i == 4-D pages[i] (fp32, tight), and the layers really differ."""
+    rng = np.random.default_rng(8)
+    q, pool = _decode_case(rng, jnp.float32, 64, 16, 8, 2, fork=True)
+    k5, v5 = stack_layers(rng, pool)
+    tuning = dict(blocks_per_step=2, num_splits=3)
+    outs = []
+    for layer in (0, NUM_LAYERS - 1):
+        layer_pool = dataclasses.replace(pool, k_pages=k5[layer], v_pages=v5[layer])
+        out = paged_attention(
+            q, k5, v5, pool.block_tables, pool.lengths, layer=layer, interpret=True, **tuning
+        )
+        assert out.shape == q.shape and out.dtype == q.dtype
+        np.testing.assert_allclose(out, _run_decode(q, layer_pool, **tuning), atol=1e-6, rtol=1e-6)
+        ref = paged_attention_reference(q, k5, v5, pool.block_tables, pool.lengths, layer=layer)
+        assert_close(out, ref, jnp.float32)
+        outs.append(np.asarray(out))
+    nonempty = np.asarray(pool.lengths) > 0
+    assert not np.allclose(outs[0][nonempty], outs[1][nonempty])
+
+
+def test_chunk_layer_reads_the_named_layer_of_stacked_pages():
+    rng = np.random.default_rng(9)
+    q, pool, q_lens = _chunk_case(rng, jnp.float32, 64, 16, 8, 2, 7, fork=True)
+    k5, v5 = stack_layers(rng, pool)
+    tuning = dict(block_rows=16, blocks_per_step=2, num_splits=3)
+    outs = []
+    for layer in (0, NUM_LAYERS - 1):
+        layer_pool = dataclasses.replace(pool, k_pages=k5[layer], v_pages=v5[layer])
+        out = paged_attention_chunk(
+            q, k5, v5, pool.block_tables, pool.lengths, q_lens, layer=layer, interpret=True, **tuning
+        )
+        assert out.shape == q.shape and out.dtype == q.dtype
+        np.testing.assert_allclose(out, _run_chunk(q, layer_pool, q_lens, **tuning), atol=1e-6, rtol=1e-6)
+        ref = paged_attention_chunk_reference(q, k5, v5, pool.block_tables, pool.lengths, q_lens, layer=layer)
+        assert_close(out, ref, jnp.float32)
+        outs.append(np.asarray(out))
+    valid = np.arange(q.shape[1])[None, :] < np.asarray(q_lens)[:, None]
+    assert not np.allclose(outs[0][valid], outs[1][valid])
+
+
 # ----------------------------------------------------------------------------- misc
 def test_default_num_splits_fills_the_gpu():
     assert default_num_splits(1, 4, 512) == 1  # short context: never split
@@ -399,6 +462,21 @@ def _decode_eval(q=GOOD["q"], k=GOOD["k"], v=None, bt=GOOD["bt"], lengths=GOOD["
         (dict(num_splits=0), "num_splits"),
         (dict(num_warps=3), "num_warps"),
         (dict(q=S((2, 256, 64), jnp.float32), k=S((2, 10, 16, 64), jnp.float32)), "kv head"),
+        # layer-stacked pages: rank and layer must agree, layer in [0, num_layers)
+        (dict(k=S((3, 2, 10, 16, 64), jnp.float32)), "5-D .*pass layer=i"),
+        (dict(layer=0), "layer=0 needs 5-D pages"),
+        (dict(k=S((3, 2, 10, 16, 64), jnp.float32), layer=3), r"out of range \[0, 3\)"),
+        (dict(k=S((3, 2, 10, 16, 64), jnp.float32), layer=-1), "out of range"),
+        (dict(k=S((3, 2, 10, 16, 64), jnp.float32), layer=1.0), "layer must be a Python int"),
+        (dict(k=S((3, 2, 10, 16, 64), jnp.float32), layer=True), "layer must be a Python int"),
+        (dict(k=S((3, 2, 10, 16, 64), jnp.float32), layer="1"), "layer must be a Python int"),
+        (dict(k=S((1, 3, 2, 10, 16, 64), jnp.float32), layer=0), "needs 5-D pages"),
+        (
+            dict(k=S((3, 2, 10, 16, 64), jnp.float32), v=S((2, 10, 16, 64), jnp.float32), layer=0),
+            "same shape",
+        ),
+        (dict(k=S((3, 2, 10, 16, 96), jnp.float32), layer=0), "head_dim"),
+        (dict(k=S((3, 2, 10, 8, 64), jnp.float32), layer=0, blocks_per_step=1), "tokens per step"),
     ],
 )
 def test_decode_value_errors(kwargs, match):
@@ -408,6 +486,31 @@ def test_decode_value_errors(kwargs, match):
 
 def test_decode_valid_shapes_pass_validation():
     assert _decode_eval().shape == (2, 8, 64)
+    k5 = S((3, 2, 10, 16, 64), jnp.float32)
+    for layer in (0, 2):
+        assert _decode_eval(k=k5, layer=layer).shape == (2, 8, 64)
+    # A numpy integer is an int too.  (Another shape: jit's static-argument cache treats
+    # np.int32(1), 1, 1.0 and True alike, so it must not share one with the error cases.)
+    assert _decode_eval(k=S((4, 2, 10, 16, 64), jnp.float32), layer=np.int32(1)).shape == (2, 8, 64)
+
+
+@pytest.mark.parametrize(
+    "k,layer,match",
+    [
+        (S((3, 2, 10, 16, 64), jnp.float32), None, "pass layer=i"),
+        (GOOD["k"], 0, "needs 5-D pages"),
+        (S((3, 2, 10, 16, 64), jnp.float32), 5, "out of range"),
+    ],
+)
+def test_references_validate_layer(k, layer, match):
+    q3, q4 = GOOD["q"], S((2, 3, 8, 64), jnp.float32)
+    bt, lengths = GOOD["bt"], GOOD["lengths"]
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(lambda *a: paged_attention_reference(*a, layer=layer), q3, k, k, bt, lengths)
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(
+            lambda *a: paged_attention_chunk_reference(*a, layer=layer), q4, k, k, bt, lengths, lengths
+        )
 
 
 @pytest.mark.parametrize(
@@ -419,6 +522,11 @@ def test_decode_valid_shapes_pass_validation():
         (dict(q_lens=S((2,), jnp.int16)), "q_lens"),
         (dict(q_lens=S((1,), jnp.int32)), "q_lens"),
         (dict(q=S((2, 3, 8, 128), jnp.float32)), "head_dim"),
+        (dict(k=S((3, 2, 10, 16, 64), jnp.float32)), "pass layer=i"),
+        (dict(layer=1), "needs 5-D pages"),
+        (dict(k=S((3, 2, 10, 16, 64), jnp.float32), layer=3), "out of range"),
+        (dict(k=S((3, 2, 10, 16, 64), jnp.float32), layer=0.0), "layer must be a Python int"),
+        (dict(k=S((3, 2, 10, 16, 64), jnp.float32), layer=2, block_rows=8), "block_rows"),
     ],
 )
 def test_chunk_value_errors(kwargs, match):
@@ -442,3 +550,16 @@ def test_chunk_value_errors(kwargs, match):
             args["lengths"],
             args["q_lens"],
         )
+
+
+def test_chunk_stacked_pages_pass_validation():
+    out = jax.eval_shape(
+        lambda *a: paged_attention_chunk(*a, layer=2, interpret=True),
+        S((2, 3, 8, 64), jnp.float32),
+        S((3, 2, 10, 16, 64), jnp.float32),
+        S((3, 2, 10, 16, 64), jnp.float32),
+        GOOD["bt"],
+        GOOD["lengths"],
+        S((2,), jnp.int32),
+    )
+    assert out.shape == (2, 3, 8, 64)

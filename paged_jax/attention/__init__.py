@@ -1,6 +1,10 @@
-"""Attention over paged and dense KV: a plain-XLA reference and an impl dispatcher."""
+"""Attention over paged and dense KV: a plain-XLA reference, a length-aware XLA fast path,
+and an impl dispatcher."""
 
-# The dispatcher: "auto" | "xla" | "pallas" | "pallas_interpret".
+# Length-aware plain XLA (dispatch's "xla"; the default off the GPU).
+from paged_jax.attention.blocked import paged_attention_blocked, paged_decode_attention_blocked
+
+# The dispatcher: "auto" | "xla" | "reference" | "pallas" | "pallas_interpret".
 from paged_jax.attention.dispatch import IMPLS, paged_attention, paged_attention_chunk, resolve_impl
 
 # Plain-XLA reference implementations (the oracle for kernels).
@@ -13,5 +17,6 @@ from paged_jax.attention.reference import (
 
 __all__ = [
     "IMPLS", "dense_causal_attention", "gather_pages", "paged_attention", "paged_attention_chunk",
-    "paged_chunk_attention", "paged_decode_attention", "resolve_impl",
+    "paged_attention_blocked", "paged_chunk_attention", "paged_decode_attention",
+    "paged_decode_attention_blocked", "resolve_impl",
 ]

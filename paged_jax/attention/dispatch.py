@@ -2,7 +2,13 @@
 
 ``impl`` chooses:
 
-- ``"xla"``: ``paged_jax.attention.reference`` (plain XLA; any backend).
+- ``"xla"``: ``paged_jax.attention.blocked`` (plain XLA, length-aware: reads only the
+  blocks rows hold; any backend; the default off the GPU).
+  Exception: sub-fp32 pages (bf16, f16) on XLA:CPU take ``"reference"``: XLA:CPU
+  converts a bf16 gather's whole operand to f32, and inside a loop that convert (of the
+  whole layer) is hoisted and paid per call (~30 ms per layer for a 4k-block pool).
+- ``"reference"``: ``paged_jax.attention.reference`` (plain XLA, gathers the whole table:
+  the oracle every other implementation is tested against).
 - ``"pallas"``: ``pallas_kernels`` compiled for the GPU.
 - ``"pallas_interpret"``: the same kernels in Pallas interpret mode (any backend; tests).
 - ``"auto"``: ``"pallas"`` on GPU, ``"xla"`` elsewhere. On GPU it falls back to ``"xla"``
@@ -20,10 +26,11 @@ import importlib
 import warnings
 
 import jax
+import jax.numpy as jnp
 
-from paged_jax.attention import reference
+from paged_jax.attention import blocked, reference
 
-IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
+IMPLS = ("auto", "xla", "reference", "pallas", "pallas_interpret")
 
 
 @functools.cache
@@ -46,7 +53,8 @@ def _pallas_fn(name: str):
 
 
 def resolve_impl(impl: str) -> str:
-    """The concrete implementation ``impl`` names here: "xla", "pallas" or "pallas_interpret"."""
+    """The concrete implementation ``impl`` names here: "xla", "reference", "pallas" or
+    "pallas_interpret"."""
     if impl not in IMPLS:
         raise ValueError(f"attention impl={impl!r}: choose one of {IMPLS}")
     if impl != "auto":
@@ -69,36 +77,61 @@ def _fallback_or_raise(impl: str, error: ValueError) -> None:
     warnings.warn(f"attention impl 'auto': the Pallas kernel refused this call ({error}); using 'xla'", stacklevel=3)
 
 
-def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, impl: str = "auto"):
-    """Decode attention: q [B, Hq, D] over pages [Hkv, N, bs, D] -> [B, Hq, D].
+def _blocked_pays(pages) -> bool:
+    """Whether "xla" runs the length-aware implementation for these pages (see module doc)."""
+    return jnp.dtype(pages.dtype).itemsize >= 4 or jax.default_backend() != "cpu"
 
+
+def _layer_of(pages, layer):
+    """One layer's pages ``[Hkv, N, bs, D]`` from 4-D pages (layer None) or 5-D (an index)."""
+    if (pages.ndim == 5) != (layer is not None):
+        raise ValueError(f"pages of shape {pages.shape} need layer=None for 4-D, an index for 5-D (got {layer})")
+    return pages if layer is None else pages[layer]
+
+
+def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, layer=None, impl: str = "auto"):
+    """Decode attention: q [B, Hq, D] over pages -> [B, Hq, D].
+
+    Pages are one layer's ``[Hkv, N, bs, D]``, or every layer's ``[L, Hkv, N, bs, D]``
+    with ``layer`` naming one (inside a model, pass these: "xla" and the Pallas kernels
+    then read the layer in place, where a slice taken outside them would be copied).
     See ``reference.paged_decode_attention`` for the contract.
     """
     concrete = resolve_impl(impl)
+    if concrete == "reference" or (concrete == "xla" and not _blocked_pays(k_pages)):
+        k_pages, v_pages = _layer_of(k_pages, layer), _layer_of(v_pages, layer)
+        return reference.paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, scale=scale)
     if concrete != "xla":
         fn = _pallas_fn("paged_attention")
         try:
-            return fn(q, k_pages, v_pages, block_tables, lengths, scale=scale, interpret=concrete == "pallas_interpret")
-        except ValueError as e:
-            _fallback_or_raise(impl, e)
-    return reference.paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, scale=scale)
-
-
-def paged_attention_chunk(
-    q, k_pages, v_pages, block_tables, lengths, q_lens, *, scale=None, impl: str = "auto"
-):
-    """Chunk/prefill attention: q [B, T, Hq, D] over pages [Hkv, N, bs, D] -> [B, T, Hq, D].
-
-    See ``reference.paged_chunk_attention`` for the contract.
-    """
-    concrete = resolve_impl(impl)
-    if concrete != "xla":
-        fn = _pallas_fn("paged_attention_chunk")
-        try:
             return fn(
-                q, k_pages, v_pages, block_tables, lengths, q_lens, scale=scale,
+                q, k_pages, v_pages, block_tables, lengths, scale=scale, layer=layer,
                 interpret=concrete == "pallas_interpret",
             )
         except ValueError as e:
             _fallback_or_raise(impl, e)
-    return reference.paged_chunk_attention(q, k_pages, v_pages, block_tables, lengths, q_lens, scale=scale)
+    return blocked.paged_decode_attention_blocked(q, k_pages, v_pages, block_tables, lengths, scale=scale, layer=layer)
+
+
+def paged_attention_chunk(
+    q, k_pages, v_pages, block_tables, lengths, q_lens, *, scale=None, layer=None, impl: str = "auto"
+):
+    """Chunk/prefill attention: q [B, T, Hq, D] over pages -> [B, T, Hq, D].
+
+    Pages as for ``paged_attention``. See ``reference.paged_chunk_attention`` for the
+    contract.
+    """
+    concrete = resolve_impl(impl)
+    if concrete == "reference" or (concrete == "xla" and not _blocked_pays(k_pages)):
+        k_pages, v_pages = _layer_of(k_pages, layer), _layer_of(v_pages, layer)
+        return reference.paged_chunk_attention(q, k_pages, v_pages, block_tables, lengths, q_lens, scale=scale)
+    if concrete != "xla":
+        fn = _pallas_fn("paged_attention_chunk")
+        try:
+            return fn(
+                q, k_pages, v_pages, block_tables, lengths, q_lens, scale=scale, layer=layer,
+                interpret=concrete == "pallas_interpret",
+            )
+        except ValueError as e:
+            _fallback_or_raise(impl, e)
+    return blocked.paged_attention_blocked(q, k_pages, v_pages, block_tables, lengths, q_lens, scale=scale, layer=layer)

@@ -135,7 +135,11 @@ class LLM:
       debug_checks: check every invariant after every step (slow; for tests).
       narrow_tables: steps attend through only the block-table columns live rows use
         (a power-of-two bucket), so attention reads keys in proportion to the longest
-        live sequence rather than ``max_model_len``; False always passes the full table.
+        live sequence rather than ``max_model_len``, and decode batches may be split by
+        width; False always passes the full table. None (default): narrow only for
+        ``attention_impl="reference"``, whose cost follows the table width; "xla" and the
+        Pallas kernels read only the blocks rows hold whatever the width, so narrowing
+        would only add compiled shapes and calls.
     """
 
     def __init__(
@@ -159,7 +163,7 @@ class LLM:
         admission_lookahead: int = 0,
         victim_policy="most_recently_admitted",
         debug_checks: bool = False,
-        narrow_tables: bool = True,
+        narrow_tables: bool | None = None,
     ):
         if kv_cache not in KV_CACHE_MODES:
             raise ValueError(f"kv_cache={kv_cache!r}: unknown; choose one of {list(KV_CACHE_MODES)}")
@@ -176,6 +180,10 @@ class LLM:
             preemption_mode=preemption_mode, victim_policy=victim_policy,
             admission_lookahead=admission_lookahead,
         )
+        if narrow_tables is None:
+            from paged_jax.attention import resolve_impl
+
+            narrow_tables = not isinstance(model, ModelBackend) and resolve_impl(attention_impl) == "reference"
         backend = build_backend(model, dtype=dtype, seed=seed, attention_impl=attention_impl, block_size=block_size)
 
         bytes_per_block = _bytes_per_block(backend)

@@ -197,7 +197,8 @@ class RunnerConfig:
     # (``plan_decode``); needs narrow_tables.
     split_decode: bool = True
     # Relative decode-call cost: fixed + per padded row + per padded row per key read.
-    # Fitted to the study model on the 2-core CPU (ms: ~10 + 1.2 b + 0.0044 b keys);
+    # Fitted to the study model on the 2-core CPU with attention_impl="reference", whose
+    # cost follows the width (ms: ~10 + 1.2 b + 0.0044 b keys);
     # only its ratios matter, and only to choose among groupings.
     decode_cost: tuple[float, float, float] = (10.0, 1.2, 0.0044)
 

@@ -214,14 +214,15 @@ def make_paged_attend(ctx: PagedContext, *, impl: str = "auto", decode: bool = F
 
     def attend(pages: KVPages, layer: int, q, k, v):
         pages = write_tokens(pages, ctx.slot_mapping, k, v, layer=layer)
-        k_pages, v_pages = pages.k[layer], pages.v[layer]
+        # All layers' pages plus the index: a layer slice taken here would be copied
+        # whenever the implementation reads it inside a loop ("xla" does).
         if decode:
             out = dispatch.paged_attention(
-                q[:, 0], k_pages, v_pages, ctx.block_tables, ctx.lengths, impl=impl
+                q[:, 0], pages.k, pages.v, ctx.block_tables, ctx.lengths, layer=layer, impl=impl
             )[:, None]
         else:
             out = dispatch.paged_attention_chunk(
-                q, k_pages, v_pages, ctx.block_tables, ctx.lengths, ctx.q_lens, impl=impl
+                q, pages.k, pages.v, ctx.block_tables, ctx.lengths, ctx.q_lens, layer=layer, impl=impl
             )
         return out, pages
 

@@ -1,0 +1,191 @@
+"""Length-aware paged attention in plain XLA: the fast path off the GPU.
+
+``reference.py`` gathers every table column of every row and attends over all of it, so a
+call costs ``rows x table width`` whatever the rows actually hold. Serving batches are
+skewed (a few long sequences among many short ones), and on a CPU that gather and the
+score/value matmuls over it are memory-bound: the reference spends most of a decode
+step reading padding. This implementation does the same arithmetic on only the live part:
+
+1. Rows are sorted by length (longest first) and cut into groups of ``r`` rows
+   (``r * T ~ query_tile`` queries, so a decode group is 8 rows).
+2. Each group walks its keys in chunks of ``blocks_per_chunk`` blocks with an online
+   softmax (flash-decoding's running max / denominator / accumulator), for as many chunks
+   as *its* longest row needs: a ``fori_loop`` whose trip count is a traced value, so one
+   compiled program serves every length and the cost follows the sum over groups of
+   ``r x group max length``, which for sorted rows is close to the tokens actually held.
+3. A chunk's gathered K/V (``r x chunk`` keys) stays in cache between the score and value
+   products; nothing table-sized is materialised.
+
+Same contract as ``reference.paged_chunk_attention`` (see that module's docstring): query
+``t < q_lens[b]`` sits at ``lengths[b] - q_lens[b] + t``; masked keys never reach the
+result even when their memory holds NaN/Inf (scores replaced, values zeroed); rows past
+``q_lens`` and rows without keys output 0; fp32 arithmetic, output in ``q``'s dtype.
+
+Tuning parameters are keyword-only; the defaults were measured on a 2-core x86 CPU
+(``experiments/decode_step.py`` times the step they feed).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_MASKED = -1e30  # finite: exp(_MASKED - max) underflows to 0 without Inf - Inf = NaN
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def paged_attention_blocked(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    q_lens: jax.Array,
+    *,
+    scale: float | None = None,
+    layer: int | jax.Array | None = None,
+    query_tile: int = 8,
+    blocks_per_chunk: int = 8,
+    tail_blocks: int = 2,
+) -> jax.Array:
+    """Causal attention of up to T new tokens per row over a paged KV cache.
+
+    Args:
+      q: [B, T, Hq, D] queries (T = 1 for decode).
+      k_pages, v_pages: [Hkv, N, bs, D] one layer's pages, the new tokens already written;
+        or every layer's, [L, Hkv, N, bs, D], with ``layer`` choosing one. Prefer the
+        latter inside a model: the layer is then indexed inside the loop, where it fuses
+        into the gather, while a layer slice taken outside would be copied (the whole
+        layer, every call) to become the loop's operand.
+      block_tables: int32[B, P]; entries past a row's blocks may be anything (-1).
+      lengths: int32[B] KV length including the new tokens; <= P * bs.
+      q_lens: int32[B] real queries per row (<= T, <= lengths).
+      scale: score scale; default ``D ** -0.5``.
+      layer: which layer of 5-D pages to read (required for them, refused for 4-D).
+      query_tile: queries per group: a group holds ``max(1, query_tile // T)`` rows.
+      blocks_per_chunk: table columns read per step of the main inner loop.
+      tail_blocks: table columns per step of the tail loop, which reads what is left
+        of a group's longest row after the main loop's whole chunks.
+
+    Returns [B, T, Hq, D] in q.dtype.
+    """
+    q, k_pages, v_pages = jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages)
+    b, t, hq, d = q.shape
+    if (k_pages.ndim == 5) != (layer is not None):
+        raise ValueError(f"pages of shape {k_pages.shape} need layer=None for 4-D, an index for 5-D (got {layer})")
+    hkv, n, bs, _ = k_pages.shape[-4:]
+    p = block_tables.shape[1]
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"num_q_heads={hq} must be a multiple of num_kv_heads={hkv}")
+    if min(query_tile, blocks_per_chunk, tail_blocks) < 1:
+        raise ValueError(
+            f"query_tile={query_tile}, blocks_per_chunk={blocks_per_chunk} and tail_blocks={tail_blocks} "
+            "must be >= 1"
+        )
+    g = hq // hkv
+    scale = d**-0.5 if scale is None else scale
+    r = max(1, min(b, query_tile // t))  # rows per group
+    c = min(blocks_per_chunk, p)  # blocks per chunk of the main loop
+    ct = min(tail_blocks, c)  # blocks per chunk of the tail loop
+    ng = -(-b // r)
+
+    lengths = lengths.astype(jnp.int32)
+    q_lens = q_lens.astype(jnp.int32)
+    # Longest rows first, so each group's trip count is close to each of its rows' needs.
+    order = jnp.argsort(-lengths)
+    pad_b = ng * r - b
+    lens_g = jnp.pad(lengths[order], (0, pad_b)).reshape(ng, r)
+    qlens_g = jnp.pad(q_lens[order], (0, pad_b)).reshape(ng, r)
+    tables = jnp.clip(block_tables[order].astype(jnp.int32), 0, n - 1)
+    # Room past the last column for the last tail chunk: dynamic_slice would otherwise
+    # clamp its start, silently shifting the window onto the wrong blocks.
+    width = max(p, -(-p // c) * c) + ct
+    tables_g = jnp.pad(tables, ((0, pad_b), (0, width - p))).reshape(ng, r, width)
+    # [ng, Hkv, r, T*G, D]: a kv head's queries (every token, every head of its group) in
+    # one matrix, so each chunk is two matmuls per kv head.
+    qf = jnp.pad(q[order].astype(jnp.float32), ((0, pad_b), (0, 0), (0, 0), (0, 0)))
+    q_g = qf.reshape(ng, r, t, hkv, g, d).transpose(0, 3, 1, 2, 4, 5).reshape(ng, hkv, r, t * g, d)
+
+    def attend_group(gi, out):
+        lens, qlens, table, qq = lens_g[gi], qlens_g[gi], tables_g[gi], q_g[gi]
+        q_pos = (lens - qlens)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [r, T]
+        row_ok = jnp.arange(t, dtype=jnp.int32)[None, :] < qlens[:, None]  # [r, T]
+
+        def chunk_body(first_block, cb: int):
+            """Loop body over chunks of ``cb`` blocks starting at block ``first_block``."""
+            ck = cb * bs
+
+            def chunk(i, carry):
+                m, denom, acc = carry  # [Hkv, r, TG], [Hkv, r, TG], [Hkv, r, TG, D]
+                start = first_block + i * cb
+                cols = jax.lax.dynamic_slice_in_dim(table, start, cb, axis=1)  # [r, cb]
+                if layer is None:
+                    k, v = k_pages[:, cols], v_pages[:, cols]
+                else:
+                    k, v = k_pages[layer][:, cols], v_pages[layer][:, cols]
+                k = k.reshape(hkv, r, ck, d).astype(jnp.float32)
+                v = v.reshape(hkv, r, ck, d).astype(jnp.float32)
+                k_pos = start * bs + jnp.arange(ck, dtype=jnp.int32)  # [ck]
+                key_ok = k_pos[None, :] < lens[:, None]  # [r, ck]
+                ok = key_ok[:, :, None] & (k_pos[None, :, None] <= q_pos[:, None, :]) & row_ok[:, None, :]
+                ok = jnp.repeat(ok, g, axis=2)[None]  # [1, r, ck, TG]
+                # Keys as the left operand: XLA:CPU's dot is several times faster this
+                # way round than with the contraction on the right operand's minor axis.
+                s = jnp.einsum("krsd,krqd->krsq", k, qq, precision=_HIGHEST)
+                s = jnp.where(ok, s * scale, _MASKED)
+                m_new = jnp.maximum(m, s.max(axis=2))
+                e = jnp.where(ok, jnp.exp(s - m_new[:, :, None, :]), 0.0)
+                alpha = jnp.exp(m - m_new)
+                v = jnp.where(key_ok[None, :, :, None], v, 0.0)  # stale/NaN memory stays out
+                pv = jnp.einsum("krsq,krsd->krqd", e, v, precision=_HIGHEST)
+                return m_new, denom * alpha + e.sum(axis=2), acc * alpha[..., None] + pv
+
+            return chunk
+
+        carry = (
+            jnp.full((hkv, r, t * g), _MASKED, jnp.float32),
+            jnp.zeros((hkv, r, t * g), jnp.float32),
+            jnp.zeros((hkv, r, t * g, d), jnp.float32),
+        )
+        # Whole chunks of c blocks while the group's longest row fills them, then chunks
+        # of ct blocks for the rest: the last row's padding read is < ct blocks, not < c.
+        # Both trip counts are traced values (0 for a group of padding rows).
+        longest = jnp.max(lens)
+        main = longest // (c * bs)
+        tail = (longest - main * c * bs + ct * bs - 1) // (ct * bs)
+        carry = jax.lax.fori_loop(0, main, chunk_body(0, c), carry)
+        carry = jax.lax.fori_loop(0, tail, chunk_body(main * c, ct), carry)
+        _, denom, acc = carry
+        o = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # keyless rows: 0, not NaN
+        o = o.reshape(hkv, r, t, g, d).transpose(1, 2, 0, 3, 4).reshape(r, t, hq, d)
+        return jax.lax.dynamic_update_slice_in_dim(out, o[None], gi, axis=0)
+
+    out = jax.lax.fori_loop(0, ng, attend_group, jnp.zeros((ng, r, t, hq, d), jnp.float32))
+    out = out.reshape(ng * r, t, hq, d)[:b]
+    return jnp.zeros_like(out).at[order].set(out).astype(q.dtype)
+
+
+def paged_decode_attention_blocked(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    *,
+    scale: float | None = None,
+    layer: int | jax.Array | None = None,
+    query_tile: int = 8,
+    blocks_per_chunk: int = 8,
+    tail_blocks: int = 2,
+) -> jax.Array:
+    """Decode: q [B, Hq, D], one new token per row; lengths 0 = padding row -> [B, Hq, D].
+
+    See ``paged_attention_blocked`` for the rest of the arguments.
+    """
+    q_lens = (lengths > 0).astype(jnp.int32)
+    out = paged_attention_blocked(
+        q[:, None], k_pages, v_pages, block_tables, lengths, q_lens,
+        scale=scale, layer=layer, query_tile=query_tile, blocks_per_chunk=blocks_per_chunk,
+        tail_blocks=tail_blocks,
+    )
+    return out[:, 0]

@@ -13,19 +13,22 @@ where a decode step costs about the same at 8 and at 32+ rows, i.e. where readin
 weights dominates, as in real LLMs. The model is therefore a small Llama-shaped decoder
 with random weights (8 layers, d=512, GQA 8:2, ~33M parameters) that is weight-dominated
 at these batch sizes on CPU; the study measures and reports its decode step time vs
-batch (at the workload's mean context) so the reader can check that premise.
+batch (at the workload's mean context and twice it) so the reader can check that premise.
 
-Greedy decoding; the two engines' outputs are compared token for token. Compile time
+Both engines attend with ``attention_impl="xla"`` (``paged_jax/attention/blocked.py``: it
+reads the blocks rows hold, not their tables' width), as they share every other piece of
+code. Greedy decoding; the two engines' outputs are compared token for token. Compile time
 (step calls that traced) is excluded from tokens/s and reported. Both engines run with
 the same settings (``admission_lookahead=16``: the paged engine admits only above the
 blocks its running sequences take over the next 16 steps, which avoids recompute churn;
 the static engine's reservations already cover growth) and are stepped in turn, the one
 furthest behind first, so load from other processes on a shared machine hits both alike.
 
-Modes: ``--quick`` (what ``make demo`` runs, ~2.5 min on 2 cores) uses max_model_len 256,
+Modes: ``--quick`` (what ``make demo`` runs: ~2.5 min on 2 cores with compiled programs
+cached in ``.jax_cache``, ~5 min on a fresh machine) uses max_model_len 256,
 where ShareGPT-like sequences are short (mean ~60 tokens) so the half-empty last block of
 each sequence weighs more and the paged utilisation is lower (~0.89); the full run uses
-max_model_len 1024 (~10 min). Writes DIR/throughput.json and DIR/throughput.png (running
+max_model_len 1024 (~9 min). Writes DIR/throughput.json and DIR/throughput.png (running
 batch and KV utilisation over time, both engines).
 """
 

@@ -139,7 +139,8 @@ class LLM:
         width; False always passes the full table. None (default): narrow only for
         ``attention_impl="reference"``, whose cost follows the table width; "xla" and the
         Pallas kernels read only the blocks rows hold whatever the width, so narrowing
-        would only add compiled shapes and calls.
+        would only add compiled shapes and calls. A ``ModelBackend`` given as ``model``
+        (its attention unknown here) defaults to False.
     """
 
     def __init__(

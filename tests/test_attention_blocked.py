@@ -211,3 +211,17 @@ def test_xla_dispatch_sends_sub_fp32_pages_to_the_reference_on_cpu():
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     text = jax.jit(functools.partial(paged_attention_chunk, impl="xla")).lower(q, kp, vp, tables, lens, qls).as_text()
     assert "stablehlo.while" in text  # fp32: the blocked loops
+
+
+def test_blocked_single_query_rows_without_a_query_are_zero():
+    """T == 1 takes a shortcut mask; a row with keys but q_len 0 must still output 0."""
+    q, kp, vp, tables, lens, _ = _case(18, b=6, t=1, hq=4, hkv=2, bs=4, d=8, p=6, n=36)
+    lens[:] = [5, 9, 24, 1, 13, 4]  # every row holds keys (its own blocks, from _case's cap)
+    tables = np.arange(36, dtype=np.int32).reshape(6, 6)
+    kp, vp = np.nan_to_num(kp), np.nan_to_num(vp)
+    qls = np.array([1, 0, 1, 0, 1, 0], np.int32)
+    out = np.asarray(paged_attention_blocked(q, kp, vp, tables, lens, qls))
+    ref = np.asarray(paged_chunk_attention(q, kp, vp, tables, lens, qls))
+    assert np.isfinite(out).all() and np.abs(out[[0, 2, 4]]).sum() > 0
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    assert not out[[1, 3, 5]].any()

@@ -127,8 +127,13 @@ def paged_attention_blocked(
                 v = v.reshape(hkv, r, ck, d).astype(jnp.float32)
                 k_pos = start * bs + jnp.arange(ck, dtype=jnp.int32)  # [ck]
                 key_ok = k_pos[None, :] < lens[:, None]  # [r, ck]
-                ok = key_ok[:, :, None] & (k_pos[None, :, None] <= q_pos[:, None, :]) & row_ok[:, None, :]
-                ok = jnp.repeat(ok, g, axis=2)[None]  # [1, r, ck, TG]
+                if t == 1:
+                    # One query per row, at the last key (q_len 1) or none (q_len 0):
+                    # causality adds nothing to the length mask.
+                    ok = (key_ok & row_ok)[None, :, :, None]  # [1, r, ck, 1], over heads
+                else:
+                    ok = key_ok[:, :, None] & (k_pos[None, :, None] <= q_pos[:, None, :]) & row_ok[:, None, :]
+                    ok = jnp.repeat(ok, g, axis=2)[None]  # [1, r, ck, TG]
                 # Keys as the left operand: XLA:CPU's dot is several times faster this
                 # way round than with the contraction on the right operand's minor axis.
                 s = jnp.einsum("krsd,krqd->krsq", k, qq, precision=_HIGHEST)

@@ -13,10 +13,11 @@ from paged_jax.attention.reference import (
     gather_pages,
     paged_chunk_attention,
     paged_decode_attention,
+    select_layer,
 )
 
 __all__ = [
     "IMPLS", "dense_causal_attention", "gather_pages", "paged_attention", "paged_attention_chunk",
     "paged_attention_blocked", "paged_chunk_attention", "paged_decode_attention",
-    "paged_decode_attention_blocked", "resolve_impl",
+    "paged_decode_attention_blocked", "resolve_impl", "select_layer",
 ]

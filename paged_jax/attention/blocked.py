@@ -30,6 +30,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from paged_jax.attention.reference import check_layer
+
 _MASKED = -1e30  # finite: exp(_MASKED - max) underflows to 0 without Inf - Inf = NaN
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -71,8 +73,7 @@ def paged_attention_blocked(
     """
     q, k_pages, v_pages = jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages)
     b, t, hq, d = q.shape
-    if (k_pages.ndim == 5) != (layer is not None):
-        raise ValueError(f"pages of shape {k_pages.shape} need layer=None for 4-D, an index for 5-D (got {layer})")
+    check_layer(k_pages, layer)
     hkv, n, bs, _ = k_pages.shape[-4:]
     p = block_tables.shape[1]
     if hkv < 1 or hq % hkv:
@@ -99,7 +100,7 @@ def paged_attention_blocked(
     tables = jnp.clip(block_tables[order].astype(jnp.int32), 0, n - 1)
     # Room past the last column for the last tail chunk: dynamic_slice would otherwise
     # clamp its start, silently shifting the window onto the wrong blocks.
-    width = max(p, -(-p // c) * c) + ct
+    width = -(-p // c) * c + ct
     tables_g = jnp.pad(tables, ((0, pad_b), (0, width - p))).reshape(ng, r, width)
     # [ng, Hkv, r, T*G, D]: a kv head's queries (every token, every head of its group) in
     # one matrix, so each chunk is two matmuls per kv head.

@@ -82,13 +82,6 @@ def _blocked_pays(pages) -> bool:
     return jnp.dtype(pages.dtype).itemsize >= 4 or jax.default_backend() != "cpu"
 
 
-def _layer_of(pages, layer):
-    """One layer's pages ``[Hkv, N, bs, D]`` from 4-D pages (layer None) or 5-D (an index)."""
-    if (pages.ndim == 5) != (layer is not None):
-        raise ValueError(f"pages of shape {pages.shape} need layer=None for 4-D, an index for 5-D (got {layer})")
-    return pages if layer is None else pages[layer]
-
-
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, layer=None, impl: str = "auto"):
     """Decode attention: q [B, Hq, D] over pages -> [B, Hq, D].
 
@@ -99,8 +92,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, l
     """
     concrete = resolve_impl(impl)
     if concrete == "reference" or (concrete == "xla" and not _blocked_pays(k_pages)):
-        k_pages, v_pages = _layer_of(k_pages, layer), _layer_of(v_pages, layer)
-        return reference.paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, scale=scale)
+        return reference.paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, scale=scale, layer=layer)
     if concrete != "xla":
         fn = _pallas_fn("paged_attention")
         try:
@@ -123,8 +115,9 @@ def paged_attention_chunk(
     """
     concrete = resolve_impl(impl)
     if concrete == "reference" or (concrete == "xla" and not _blocked_pays(k_pages)):
-        k_pages, v_pages = _layer_of(k_pages, layer), _layer_of(v_pages, layer)
-        return reference.paged_chunk_attention(q, k_pages, v_pages, block_tables, lengths, q_lens, scale=scale)
+        return reference.paged_chunk_attention(
+            q, k_pages, v_pages, block_tables, lengths, q_lens, scale=scale, layer=layer
+        )
     if concrete != "xla":
         fn = _pallas_fn("paged_attention_chunk")
         try:

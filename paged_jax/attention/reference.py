@@ -76,6 +76,24 @@ def _attend(
     return out.reshape(b, t, hq, d).astype(q.dtype)
 
 
+def select_layer(pages: jax.Array, layer: int | None) -> jax.Array:
+    """One layer's pages ``[Hkv, N, bs, D]``: ``pages`` itself when 4-D (``layer`` None), or
+    ``pages[layer]`` of every layer's ``[L, Hkv, N, bs, D]``. Raises ValueError when the
+    rank and ``layer`` disagree. Implementations that loop over the pages should index
+    the layer inside the loop instead (a slice taken outside is materialised)."""
+    check_layer(pages, layer)
+    return pages if layer is None else pages[layer]
+
+
+def check_layer(pages: jax.Array, layer) -> None:
+    """ValueError unless 4-D pages come with ``layer=None`` and 5-D ones with an index."""
+    if (pages.ndim == 5) != (layer is not None) or pages.ndim not in (4, 5):
+        raise ValueError(
+            f"pages of shape {pages.shape} need layer=None when 4-D [Hkv, N, bs, D], a layer index "
+            f"when 5-D [L, Hkv, N, bs, D] (got layer={layer})"
+        )
+
+
 def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
     """Contiguous per-sequence keys (or values) read through the block tables.
 
@@ -101,20 +119,22 @@ def paged_chunk_attention(
     q_lens: jax.Array,
     *,
     scale: float | None = None,
+    layer: int | None = None,
 ) -> jax.Array:
     """Causal attention of a chunk of new tokens over a paged KV cache (prefill).
 
     Args:
       q: [B, T, Hq, D] queries of up to T new tokens per sequence.
-      k_pages, v_pages: [Hkv, N, bs, D] one layer's pages, the chunk already written.
+      k_pages, v_pages: [Hkv, N, bs, D] one layer's pages, the chunk already written; or
+        every layer's [L, Hkv, N, bs, D] with ``layer`` choosing one (``select_layer``).
       block_tables: int32[B, P] physical block of each logical block; -1 past the end.
       lengths: int32[B] KV length including the chunk; lengths[b] <= P * bs.
       q_lens: int32[B] real queries per row (<= T, <= lengths).
 
     Returns [B, T, Hq, D] in q.dtype; rows ``t >= q_lens[b]`` are 0.
     """
-    k = gather_pages(k_pages, block_tables)
-    v = gather_pages(v_pages, block_tables)
+    k = gather_pages(select_layer(k_pages, layer), block_tables)
+    v = gather_pages(select_layer(v_pages, layer), block_tables)
     return _attend(q, k, v, lengths, q_lens, scale)
 
 
@@ -126,17 +146,21 @@ def paged_decode_attention(
     lengths: jax.Array,
     *,
     scale: float | None = None,
+    layer: int | None = None,
 ) -> jax.Array:
     """One new token per sequence attending to its whole paged KV cache (decode).
 
     Args:
-      q: [B, Hq, D]. k_pages, v_pages: [Hkv, N, bs, D]. block_tables: int32[B, P].
+      q: [B, Hq, D]. k_pages, v_pages: [Hkv, N, bs, D] (or 5-D with ``layer``, as for
+        ``paged_chunk_attention``). block_tables: int32[B, P].
       lengths: int32[B] KV length including the new token; 0 = padding row.
 
     Returns [B, Hq, D] in q.dtype; 0 for rows of length 0.
     """
     q_lens = (lengths > 0).astype(jnp.int32)
-    out = paged_chunk_attention(q[:, None], k_pages, v_pages, block_tables, lengths, q_lens, scale=scale)
+    out = paged_chunk_attention(
+        q[:, None], k_pages, v_pages, block_tables, lengths, q_lens, scale=scale, layer=layer
+    )
     return out[:, 0]
 
 

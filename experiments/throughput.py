@@ -1,6 +1,6 @@
 """Throughput: paged vs static KV allocation under one memory budget (seed C1, C2, C8).
 
-    python -m experiments throughput [--quick] [--out DIR]
+    python -m experiments throughput [--quick] [--out DIR] [--attention IMPL] [--num-requests N]
 
 The same ShareGPT-like stream (``paged_jax.workloads``; EOS ignored, so both engines
 generate exactly the same tokens) runs through ``LLM(kv_cache="paged")`` and
@@ -24,6 +24,15 @@ blocks its running sequences take over the next 16 steps, which avoids recompute
 the static engine's reservations already cover growth) and are stepped in turn, the one
 furthest behind first, so load from other processes on a shared machine hits both alike.
 
+Phases: an offline run is *saturated* while requests still wait for admission (each
+engine at its capacity, as a server under load) and then *drains* (the last, mostly long
+sequences finish at ever smaller batches). Both are reported (``stats.py``); the headline
+is the whole run, as the issue asks, and ``phases.saturated_throughput_ratio`` the
+saturated part. The drain's share shrinks as ``--num-requests`` grows.
+
+Ablation: ``--attention none`` runs both engines with attention skipped (zeros; outputs
+meaningless), so the ratio it prints is the most any faster attention could give here.
+
 Modes: ``--quick`` (what ``make demo`` runs: ~2.5 min on 2 cores with compiled programs
 cached in ``.jax_cache``, ~5 min on a fresh machine) uses max_model_len 256,
 where ShareGPT-like sequences are short (mean ~60 tokens) so the half-empty last block of
@@ -44,6 +53,7 @@ from experiments.common import machine_info, write_json
 
 BLOCK_SIZE = 16
 STATIC_SEQS = 8  # the budget: the static engine fits this many sequences
+CURVE_BATCHES = (8, 16, 32, 64)  # batches of the decode step-time curve
 
 
 def study_model(max_model_len: int):
@@ -61,7 +71,8 @@ def study_model(max_model_len: int):
     )
 
 
-def step_curve(config, batches: list[int], contexts: list[int], max_model_len: int) -> list[dict]:
+def step_curve(config, batches: list[int], contexts: list[int], max_model_len: int,
+               attention_impl: str = "xla") -> list[dict]:
     """Decode step time vs batch, every row holding ``context`` tokens. Plain decode steps
     (``paged_jax.steps``) with the study's attention ("xla": it reads the blocks each row
     holds, whatever the table width), without the sampler."""
@@ -73,7 +84,7 @@ def step_curve(config, batches: list[int], contexts: list[int], max_model_len: i
     from paged_jax.steps import init_pages_for, make_step_fns
 
     _, params = init_params(config, 0)
-    fns = make_step_fns(config, attention_impl="xla")
+    fns = make_step_fns(config, attention_impl=attention_impl)
     width = -(-max_model_len // BLOCK_SIZE)
     rows = []
     for ctx in contexts:
@@ -99,7 +110,7 @@ def step_curve(config, batches: list[int], contexts: list[int], max_model_len: i
 
 
 def make_engine(kind: str, config, *, max_model_len: int, num_blocks: int, max_num_seqs: int,
-                max_num_batched_tokens: int, admission_lookahead: int):
+                max_num_batched_tokens: int, admission_lookahead: int, attention_impl: str = "xla"):
     from paged_jax.engine import LLM
 
     return LLM(
@@ -111,7 +122,7 @@ def make_engine(kind: str, config, *, max_model_len: int, num_blocks: int, max_n
         max_num_batched_tokens=max_num_batched_tokens,
         admission_lookahead=admission_lookahead,
         kv_cache=kind,
-        attention_impl="xla",
+        attention_impl=attention_impl,
         seed=0,
     )
 
@@ -177,7 +188,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m experiments throughput", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests, shorter context (< ~3 min)")
     parser.add_argument("--out", default="out", help="directory for throughput.json and throughput.png")
+    parser.add_argument("--attention", default="xla", choices=("xla", "reference", "pallas", "none"),
+                        help="attention_impl of both engines; 'none' is the ablation (see the module doc)")
+    parser.add_argument("--num-requests", type=int, default=None,
+                        help="requests in the stream (default: 256 quick, 240 full)")
     args = parser.parse_args(argv)
+    if args.num_requests is not None and args.num_requests < 1:
+        parser.error(f"--num-requests={args.num_requests}: must be >= 1")
 
     import jax
 
@@ -192,6 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
         max_model_len, num_requests = 256, 256
     else:
         max_model_len, num_requests = 1024, 240
+    num_requests = args.num_requests or num_requests
     max_num_seqs = 64
     num_blocks = STATIC_SEQS * -(-max_model_len // BLOCK_SIZE)
     config = study_model(max_model_len)
@@ -199,7 +217,10 @@ def main(argv: list[str] | None = None) -> dict:
     workload = describe(requests)
     kv_bytes_per_token = config.kv_bytes_per_token()
     mode = "QUICK (short context: lower utilisation expected; see the full run)" if args.quick else "FULL"
-    print(f"throughput study, {mode}")
+    print(f"throughput study, {mode}, attention_impl={args.attention!r}")
+    if args.attention == "none":
+        print("ABLATION: attention skipped in both engines (outputs meaningless): the ratio is an upper "
+              "bound on what faster attention could give")
     print(
         f"model: {config.num_layers} layers, d={config.hidden_size}, heads {config.num_heads}:{config.num_kv_heads}, "
         f"{config.num_params / 1e6:.1f}M params (random), KV {kv_bytes_per_token} B/token"
@@ -216,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
     mean_context = int(workload["mean_prompt"] + workload["mean_output"] / 2)
     contexts = sorted({mean_context, min(2 * mean_context, max_model_len)})
     start = time.perf_counter()
-    curve = step_curve(config, [8, 16, 32, 64], contexts, max_model_len)
+    curve = step_curve(config, list(CURVE_BATCHES), contexts, max_model_len, args.attention)
     curve_seconds = time.perf_counter() - start
     print(f"decode step vs batch (every row holding the workload's mean context, {mean_context} tokens, or twice it):")
     for row in curve:
@@ -227,7 +248,8 @@ def main(argv: list[str] | None = None) -> dict:
     # (static admission is by reservation, which already covers growth).
     budget = dict(max_model_len=max_model_len, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=256, admission_lookahead=BLOCK_SIZE)
-    engines = {kind: make_engine(kind, config, **budget) for kind in ("paged", "static")}
+    engines = {kind: make_engine(kind, config, **budget, attention_impl=args.attention)
+               for kind in ("paged", "static")}
     start = time.perf_counter()
     outputs = run_interleaved(engines, requests)
     run_seconds = time.perf_counter() - start
@@ -262,6 +284,12 @@ def main(argv: list[str] | None = None) -> dict:
         ("compiles", "compiles", "{}"),
         ("compile s", "compile_seconds", "{:.1f}"),
         ("engine s (excl. compile)", "steady_seconds", "{:.1f}"),
+        ("saturated: tokens/s", "saturated_tokens_per_s", "{:.1f}"),
+        ("saturated: mean batch", "saturated_mean_running_batch", "{:.1f}"),
+        ("saturated: s (incl. compile)", "saturated_seconds", "{:.1f}"),
+        ("drain: tokens/s", "drain_tokens_per_s", "{:.1f}"),
+        ("drain: s", "drain_seconds", "{:.1f}"),
+        ("drain: generated tokens", "drain_generated_tokens", "{}"),
     ]
     print(f"\n{'':30s}{'paged':>12s}{'static':>12s}")
     for label, key, fmt in keys:
@@ -277,6 +305,13 @@ def main(argv: list[str] | None = None) -> dict:
         "paged_kv_utilization": paged["kv_utilization"],
         "static_kv_utilization": static["kv_utilization"],
     }
+    phases = {
+        "saturated_throughput_ratio": paged["saturated_tokens_per_s"] / max(static["saturated_tokens_per_s"], 1e-9),
+        "saturated_batch_ratio": paged["saturated_mean_running_batch"]
+        / max(static["saturated_mean_running_batch"], 1e-9),
+        "paged_drain_share": paged["drain_seconds"] / max(paged["seconds"], 1e-9),
+        "static_drain_share": static["drain_seconds"] / max(static["seconds"], 1e-9),
+    }
     print(
         f"\nthroughput ratio {headline['throughput_ratio']:.2f}x, batch ratio {headline['batch_ratio']:.2f}x, "
         f"KV utilisation paged {headline['paged_kv_utilization']:.3f} vs static "
@@ -285,9 +320,16 @@ def main(argv: list[str] | None = None) -> dict:
            f"output tokens {first[:8]})")
         + ("  [quick mode]" if args.quick else "")
     )
+    print(
+        f"while saturated (requests waiting): throughput ratio {phases['saturated_throughput_ratio']:.2f}x, "
+        f"batch ratio {phases['saturated_batch_ratio']:.2f}x; the drain is {phases['paged_drain_share']:.0%} of "
+        f"the paged engine's time and {phases['static_drain_share']:.0%} of the static engine's"
+    )
     result = {
         "headline": headline,
+        "phases": phases,
         "quick": args.quick,
+        "attention_impl": args.attention,
         "outputs_identical": identical,
         "output_agreement": agreement,
         "model": {

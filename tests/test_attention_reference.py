@@ -129,6 +129,19 @@ def test_dispatch_xla_auto_and_reference():
         paged_attention(q[:, 0], kp, vp, tables, lens, impl="triton")
 
 
+def test_dispatch_none_is_a_zero_cost_ablation():
+    """"none" returns zeros of q's shape and dtype and reads no page: in the compiled
+    program nothing touches the pages (a study times everything but attention)."""
+    q, kp, vp, tables, lens, qls = _case(8, 4, 2, [6, 11], [2, 3], t_max=3)
+    out = paged_attention_chunk(q, kp, vp, tables, lens, qls, impl="none")
+    assert out.shape == q.shape and out.dtype == q.dtype and not np.asarray(out).any()
+    dec = paged_attention(q[:, 0], kp, vp, tables, lens, impl="none")
+    assert dec.shape == q[:, 0].shape and not np.asarray(dec).any()
+    hlo = jax.jit(lambda q, k, v: paged_attention(q, k, v, tables, lens, impl="none")).lower(
+        q[:, 0], kp, vp).as_text()
+    assert "gather" not in hlo and "dot" not in hlo
+
+
 def _pallas_available() -> bool:
     try:
         module = importlib.import_module("pallas_kernels")

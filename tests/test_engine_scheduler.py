@@ -97,6 +97,12 @@ def test_static_baseline_matches_and_is_limited_by_reservations(reference):
     paged.generate(_prompts(), GREEDY, use_tqdm=False)
     assert paged.stats()["mean_running_batch"] > stats["mean_running_batch"]
     assert paged.stats()["kv_utilization"] > stats["kv_utilization"]
+    # Reservations cap the static batch at 2 while requests wait: the saturated phase
+    # runs (nearly) full, the drain does not, and the split accounts for every step and token.
+    assert stats["saturated_steps"] > 0 and stats["drain_steps"] > 0
+    assert stats["mean_running_batch"] < stats["saturated_mean_running_batch"] <= 2
+    assert stats["saturated_steps"] + stats["drain_steps"] == stats["steps"]
+    assert stats["saturated_generated_tokens"] + stats["drain_generated_tokens"] == stats["generated_tokens"]
     _assert_drained(llm)
 
 

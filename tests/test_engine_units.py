@@ -240,3 +240,41 @@ def test_pending_tokens_span_prompt_and_output():
 def test_bucket_is_a_capped_power_of_two():
     assert [bucket(n, 8) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
     assert bucket(5, 6) == 6 and bucket(1, 64, lo=16) == 16 and bucket(17, 64, lo=16) == 32
+
+
+# ----------------------------------------------------------------------------- stats
+
+
+def test_stats_split_the_run_at_the_last_waiting_step():
+    """Saturated = up to the last step that ended with a request waiting; its tokens/s
+    leave compile time out; the drain is the rest."""
+    from paged_jax.engine.stats import EngineStats
+
+    stats = EngineStats(block_size=4, num_blocks=8)
+    # (batch, generated, seconds, waiting, compile seconds)
+    steps = [(2, 2, 3.0, 3, 2.0), (4, 4, 1.0, 1, 0.0), (4, 4, 1.0, 0, 0.0), (4, 4, 1.0, 2, 0.0),
+             (2, 2, 0.5, 0, 0.0), (1, 1, 0.5, 0, 0.0)]
+    for batch, generated, seconds, waiting, compile_s in steps:
+        stats.record_step(batch=batch, generated=generated, prefilled=0, tokens_held=batch * 4,
+                          allocated_blocks=batch, charged_blocks=batch, seconds=seconds,
+                          waiting=waiting, compile_seconds=compile_s)
+    s = stats.summary()
+    assert (s["saturated_steps"], s["drain_steps"]) == (4, 2)
+    assert s["saturated_seconds"] == pytest.approx(6.0) and s["drain_seconds"] == pytest.approx(1.0)
+    assert s["saturated_generated_tokens"] == 14 and s["drain_generated_tokens"] == 3
+    assert s["saturated_tokens_per_s"] == pytest.approx(14 / 4.0)  # 2 s of compile left out
+    assert s["drain_tokens_per_s"] == pytest.approx(3.0)
+    assert s["saturated_mean_running_batch"] == pytest.approx(3.5)
+    assert len(stats.timeline[0]) == 7
+
+
+def test_stats_with_nothing_ever_waiting_is_all_drain():
+    from paged_jax.engine.stats import EngineStats
+
+    stats = EngineStats(block_size=4, num_blocks=8)
+    assert stats.summary()["saturated_steps"] == 0 and stats.summary()["drain_tokens_per_s"] == 0.0
+    stats.record_step(batch=1, generated=1, prefilled=0, tokens_held=1, allocated_blocks=1, charged_blocks=1,
+                      seconds=0.5)
+    s = stats.summary()
+    assert (s["saturated_steps"], s["drain_steps"], s["saturated_tokens_per_s"]) == (0, 1, 0.0)
+    assert s["drain_tokens_per_s"] == pytest.approx(2.0)

@@ -11,6 +11,10 @@
   the oracle every other implementation is tested against).
 - ``"pallas"``: ``pallas_kernels`` compiled for the GPU.
 - ``"pallas_interpret"``: the same kernels in Pallas interpret mode (any backend; tests).
+- ``"none"``: a cost ablation, not attention: returns zeros of q's shape without reading
+  the pages. A study run with it times everything but attention (model outputs are
+  meaningless), which bounds what any faster attention could give
+  (``python -m experiments throughput --attention none``).
 - ``"auto"``: ``"pallas"`` on GPU, ``"xla"`` elsewhere. On GPU it falls back to ``"xla"``
   with a warning if ``pallas_kernels`` cannot be imported, or if the kernel rejects the
   call's shapes with a ValueError (e.g. a head_dim or block_size it does not tile).
@@ -30,7 +34,7 @@ import jax.numpy as jnp
 
 from paged_jax.attention import blocked, reference
 
-IMPLS = ("auto", "xla", "reference", "pallas", "pallas_interpret")
+IMPLS = ("auto", "xla", "reference", "pallas", "pallas_interpret", "none")
 
 
 @functools.cache
@@ -53,8 +57,8 @@ def _pallas_fn(name: str):
 
 
 def resolve_impl(impl: str) -> str:
-    """The concrete implementation ``impl`` names here: "xla", "reference", "pallas" or
-    "pallas_interpret"."""
+    """The concrete implementation ``impl`` names here: "xla", "reference", "pallas",
+    "pallas_interpret" or "none"."""
     if impl not in IMPLS:
         raise ValueError(f"attention impl={impl!r}: choose one of {IMPLS}")
     if impl != "auto":
@@ -91,6 +95,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, l
     See ``reference.paged_decode_attention`` for the contract.
     """
     concrete = resolve_impl(impl)
+    if concrete == "none":
+        return jnp.zeros_like(q)
     if concrete == "reference" or (concrete == "xla" and not _blocked_pays(k_pages)):
         return reference.paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, scale=scale, layer=layer)
     if concrete != "xla":
@@ -114,6 +120,8 @@ def paged_attention_chunk(
     contract.
     """
     concrete = resolve_impl(impl)
+    if concrete == "none":
+        return jnp.zeros_like(q)
     if concrete == "reference" or (concrete == "xla" and not _blocked_pays(k_pages)):
         return reference.paged_chunk_attention(
             q, k_pages, v_pages, block_tables, lengths, q_lens, scale=scale, layer=layer

@@ -43,6 +43,7 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Run one step; returns the sequences that finished in it."""
         start = time.perf_counter()
+        compiled_before = self.runner.compile_seconds
         plan = self.scheduler.schedule()
         t_sched = time.perf_counter()
         if not plan.work:
@@ -108,6 +109,8 @@ class LLMEngine:
             allocated_blocks=allocated,
             charged_blocks=charged,
             seconds=end - start,
+            waiting=len(self.scheduler.waiting) + len(self.scheduler.swapped),
+            compile_seconds=self.runner.compile_seconds - compiled_before,
             phases={"schedule": t_sched - start, "dispatch": t_dispatch - t_sched, "sync": t_sync - t_dispatch,
                     "update": end - t_sync},
         )

@@ -10,6 +10,14 @@ decisions, with the block-manager calls they make: open, release, swap), ``dispa
 (building the padded arrays and enqueueing the jitted calls), ``sync`` (waiting for the
 device: the step's compute, since dispatch is asynchronous) and ``update`` (appending
 tokens, releasing the finished). ``timeline`` keeps one row per step for plots.
+
+Saturation: an offline run has two phases. While requests still wait for admission
+(waiting or swapped out), the engine runs at its capacity, which is what a serving
+system at load sees; after the last admission it drains, running ever fewer, mostly long
+sequences until the last finishes. The summary splits the run at the last step that
+ended with a request waiting: ``saturated_*`` covers that step and those before it,
+``drain_*`` the rest. Their tokens per second exclude compile time, as
+``tokens_per_s_excl_compile`` does.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ class EngineStats:
     charged_blocks_sum: int = 0
     phase_seconds: dict = dataclasses.field(default_factory=dict)
     # One entry per step: (end time in step-seconds since the start, batch, tokens held,
-    # charged blocks, generated tokens).
+    # charged blocks, generated tokens, requests waiting after it, its compile seconds).
     timeline: list = dataclasses.field(default_factory=list)
 
     def record_step(
@@ -47,9 +55,13 @@ class EngineStats:
         allocated_blocks: int,
         charged_blocks: int,
         seconds: float,
+        waiting: int = 0,
+        compile_seconds: float = 0.0,
         phases: dict | None = None,
     ) -> None:
-        """One engine step: ``batch`` sequences ran, ``generated`` tokens were sampled."""
+        """One engine step: ``batch`` sequences ran, ``generated`` tokens were sampled;
+        ``waiting`` requests were still not running after it (waiting or swapped out);
+        ``compile_seconds`` of its ``seconds`` went to compiling."""
         self.steps += 1
         self.generated_tokens += generated
         self.prompt_tokens_computed += prefilled
@@ -61,7 +73,9 @@ class EngineStats:
         self.charged_blocks_sum += charged_blocks
         for name, sec in (phases or {}).items():
             self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + sec
-        self.timeline.append((self.step_seconds, batch, tokens_held, charged_blocks, generated))
+        self.timeline.append(
+            (self.step_seconds, batch, tokens_held, charged_blocks, generated, waiting, compile_seconds)
+        )
         if charged_blocks:
             self.util_sum += tokens_held / (charged_blocks * self.block_size)
             self.util_steps += 1
@@ -82,4 +96,23 @@ class EngineStats:
             "mean_blocks_used": self.charged_blocks_sum / steps,
             "num_blocks": self.num_blocks,
             "phase_seconds": dict(self.phase_seconds),
+            **self._phases(),
         }
+
+    def _phases(self) -> dict:
+        """Saturated vs drain split (module docstring)."""
+        ends = [row[0] for row in self.timeline]
+        seconds = [end - prev for end, prev in zip(ends, [0.0, *ends[:-1]])]
+        last = max((i for i, row in enumerate(self.timeline) if row[5] > 0), default=-1)
+        out = {}
+        for name, span in (("saturated", range(last + 1)), ("drain", range(last + 1, len(ends)))):
+            rows = [self.timeline[i] for i in span]
+            wall = sum(seconds[i] for i in span)
+            steady = wall - sum(row[6] for row in rows)
+            generated = sum(row[4] for row in rows)
+            out[f"{name}_steps"] = len(rows)
+            out[f"{name}_seconds"] = wall
+            out[f"{name}_generated_tokens"] = generated
+            out[f"{name}_tokens_per_s"] = generated / steady if steady > 0 else 0.0
+            out[f"{name}_mean_running_batch"] = sum(row[1] for row in rows) / len(rows) if rows else 0.0
+        return out

@@ -1,0 +1,36 @@
+"""Smoke test of the headline study's code path (the figures themselves come from full
+runs; see the README): a tiny model through ``experiments.throughput.main``."""
+
+import json
+
+from experiments import throughput
+from paged_jax.cache import set_debug_checks
+from paged_jax.model import ModelConfig
+
+
+def _tiny_model(max_model_len: int) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=8, max_position_embeddings=max_model_len,
+    )
+
+
+def test_throughput_study_runs_and_writes_its_json(tmp_path, monkeypatch):
+    monkeypatch.setattr(throughput, "study_model", _tiny_model)
+    monkeypatch.setattr(throughput, "CURVE_BATCHES", (8,))
+    set_debug_checks(False)  # invariants are checked by the engine tests; this is the study's wiring
+    result = throughput.main(["--quick", "--num-requests", "12", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "throughput.json").read_text())
+    assert (tmp_path / "throughput.png").stat().st_size > 0
+    headline = saved["headline"]
+    assert set(headline) == {"throughput_ratio", "batch_ratio", "paged_kv_utilization", "static_kv_utilization"}
+    assert saved["outputs_identical"] and result["outputs_identical"]
+    assert saved["workload"]["num_requests"] == 12 and saved["attention_impl"] == "xla"
+    paged, static = saved["paged"], saved["static"]
+    assert paged["generated_tokens"] == static["generated_tokens"] > 0
+    # The static engine is capped at 8 reservations; the paged one holds more sequences.
+    assert static["peak_running_batch"] <= throughput.STATIC_SEQS < paged["peak_running_batch"]
+    assert headline["batch_ratio"] > 1 and headline["paged_kv_utilization"] > headline["static_kv_utilization"]
+    for engine in (paged, static):
+        assert engine["saturated_generated_tokens"] + engine["drain_generated_tokens"] == engine["generated_tokens"]
+    assert 0 < saved["phases"]["static_drain_share"] < 1

@@ -70,8 +70,8 @@ SHAPES = [
 TUNING = [
     dict(),
     dict(query_tile=1, blocks_per_chunk=1, tail_blocks=1),
-    dict(query_tile=16, blocks_per_chunk=3, tail_blocks=3),
-    dict(query_tile=4, blocks_per_chunk=4, tail_blocks=3),  # tail chunks not dividing main ones
+    dict(query_tile=16, min_groups=1, blocks_per_chunk=3, tail_blocks=3),  # one group of all rows
+    dict(query_tile=4, min_groups=2, blocks_per_chunk=4, tail_blocks=3),  # tail chunks not dividing main ones
 ]
 
 
@@ -153,6 +153,8 @@ def test_blocked_rejects_bad_arguments():
         paged_attention_blocked(q, kp, vp, tables, lens, qls, blocks_per_chunk=0)
     with pytest.raises(ValueError, match="tail_blocks=0"):
         paged_attention_blocked(q, kp, vp, tables, lens, qls, tail_blocks=0)
+    with pytest.raises(ValueError, match="min_groups=0"):
+        paged_attention_blocked(q, kp, vp, tables, lens, qls, min_groups=0)
 
 
 def test_blocked_cost_follows_lengths_not_table_width():

@@ -167,7 +167,9 @@ def plot(path: str, results: dict, title: str) -> None:
 
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     for kind, color in (("paged", "tab:blue"), ("static", "tab:orange")):
-        t, batch, held, charged = (np.asarray(x, float) for x in results[kind]["timeline"][:4])
+        timeline = results[kind]["timeline"]
+        t, batch, held, charged = (np.asarray(timeline[name], float)
+                                   for name in ("end_seconds", "batch", "tokens_held", "charged_blocks"))
         util = np.divide(held, charged * BLOCK_SIZE, out=np.zeros_like(held), where=charged > 0)
         ax1.plot(t, batch, color=color, lw=0.8, label=f"{kind} (mean {results[kind]['mean_running_batch']:.1f})")
         ax2.plot(t, util, color=color, lw=0.8, label=f"{kind} (time-avg {results[kind]['kv_utilization']:.3f})")
@@ -201,6 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
     jax.config.update("jax_compilation_cache_dir", os.path.join(os.getcwd(), ".jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
+    from paged_jax.engine.stats import StepRecord
     from paged_jax.workloads import describe, sharegpt_like
 
     # Enough requests that the steady state, not the ramp-up or the tail of the longest
@@ -255,7 +258,9 @@ def main(argv: list[str] | None = None) -> dict:
     run_seconds = time.perf_counter() - start
     results = {kind: llm.stats() for kind, llm in engines.items()}
     for kind, llm in engines.items():
-        results[kind]["timeline"] = [list(col) for col in zip(*llm.engine.stats.timeline)]
+        # Columns by name: {"end_seconds": [...], "batch": [...], ...} (engine/stats.py StepRecord).
+        results[kind]["timeline"] = {name: list(col) for name, col in
+                                     zip(StepRecord._fields, zip(*llm.engine.stats.timeline))}
         results[kind]["steady_seconds"] = results[kind]["seconds"] - results[kind]["compile_seconds"]
     print(f"both engines, interleaved: {run_seconds:.0f} s")
     identical = outputs["paged"] == outputs["static"]

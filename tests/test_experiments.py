@@ -32,5 +32,6 @@ def test_throughput_study_runs_and_writes_its_json(tmp_path, monkeypatch):
     assert static["peak_running_batch"] <= throughput.STATIC_SEQS < paged["peak_running_batch"]
     assert headline["batch_ratio"] > 1 and headline["paged_kv_utilization"] > headline["static_kv_utilization"]
     for engine in (paged, static):
+        assert sum(engine["timeline"]["generated"]) == engine["generated_tokens"]
         assert engine["saturated_generated_tokens"] + engine["drain_generated_tokens"] == engine["generated_tokens"]
     assert 0 < saved["phases"]["static_drain_share"] < 1

@@ -9,7 +9,7 @@ Each step's wall time is also split into phases (``phase_seconds``): ``schedule`
 decisions, with the block-manager calls they make: open, release, swap), ``dispatch``
 (building the padded arrays and enqueueing the jitted calls), ``sync`` (waiting for the
 device: the step's compute, since dispatch is asynchronous) and ``update`` (appending
-tokens, releasing the finished). ``timeline`` keeps one row per step for plots.
+tokens, releasing the finished). ``timeline`` keeps one ``StepRecord`` per step for plots.
 
 Saturation: an offline run has two phases. While requests still wait for admission
 (waiting or swapped out), the engine runs at its capacity, which is what a serving
@@ -23,6 +23,19 @@ ended with a request waiting: ``saturated_*`` covers that step and those before 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
+
+
+class StepRecord(NamedTuple):
+    """One row of ``EngineStats.timeline`` (one engine step)."""
+
+    end_seconds: float  # step-seconds since the start, this step included
+    batch: int
+    tokens_held: int
+    charged_blocks: int
+    generated: int
+    waiting: int  # requests still not running after it (waiting or swapped out)
+    compile_seconds: float  # of this step's time
 
 
 @dataclasses.dataclass
@@ -41,9 +54,7 @@ class EngineStats:
     peak_allocated_blocks: int = 0
     charged_blocks_sum: int = 0
     phase_seconds: dict = dataclasses.field(default_factory=dict)
-    # One entry per step: (end time in step-seconds since the start, batch, tokens held,
-    # charged blocks, generated tokens, requests waiting after it, its compile seconds).
-    timeline: list = dataclasses.field(default_factory=list)
+    timeline: list[StepRecord] = dataclasses.field(default_factory=list)
 
     def record_step(
         self,
@@ -74,7 +85,7 @@ class EngineStats:
         for name, sec in (phases or {}).items():
             self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + sec
         self.timeline.append(
-            (self.step_seconds, batch, tokens_held, charged_blocks, generated, waiting, compile_seconds)
+            StepRecord(self.step_seconds, batch, tokens_held, charged_blocks, generated, waiting, compile_seconds)
         )
         if charged_blocks:
             self.util_sum += tokens_held / (charged_blocks * self.block_size)
@@ -101,18 +112,18 @@ class EngineStats:
 
     def _phases(self) -> dict:
         """Saturated vs drain split (module docstring)."""
-        ends = [row[0] for row in self.timeline]
-        seconds = [end - prev for end, prev in zip(ends, [0.0, *ends[:-1]])]
-        last = max((i for i, row in enumerate(self.timeline) if row[5] > 0), default=-1)
+        last = max((i for i, row in enumerate(self.timeline) if row.waiting > 0), default=-1)
+        split = self.timeline[last].end_seconds if last >= 0 else 0.0
         out = {}
-        for name, span in (("saturated", range(last + 1)), ("drain", range(last + 1, len(ends)))):
-            rows = [self.timeline[i] for i in span]
-            wall = sum(seconds[i] for i in span)
-            steady = wall - sum(row[6] for row in rows)
-            generated = sum(row[4] for row in rows)
+        for name, rows, wall in (
+            ("saturated", self.timeline[: last + 1], split),
+            ("drain", self.timeline[last + 1:], self.step_seconds - split),
+        ):
+            steady = wall - sum(row.compile_seconds for row in rows)
+            generated = sum(row.generated for row in rows)
             out[f"{name}_steps"] = len(rows)
             out[f"{name}_seconds"] = wall
             out[f"{name}_generated_tokens"] = generated
             out[f"{name}_tokens_per_s"] = generated / steady if steady > 0 else 0.0
-            out[f"{name}_mean_running_batch"] = sum(row[1] for row in rows) / len(rows) if rows else 0.0
+            out[f"{name}_mean_running_batch"] = sum(row.batch for row in rows) / len(rows) if rows else 0.0
         return out

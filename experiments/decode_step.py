@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.common import machine_info, write_json
+from paged_jax.buckets import bucket, pad_decode
 from paged_jax.cache import append_slots, init_state, open_sequences, raise_for_status, release
 from paged_jax.config import CacheConfig
 from paged_jax.kv import copy_blocks
@@ -48,7 +49,7 @@ from paged_jax.model import (
     logits_from_hidden,
     make_contiguous_attend,
 )
-from paged_jax.steps import abstract_graphdef, bucket, init_pages_for, make_step_fns, pad_decode
+from paged_jax.steps import abstract_graphdef, init_pages_for, make_step_fns
 
 MODEL = ModelConfig(
     vocab_size=2048, hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8,

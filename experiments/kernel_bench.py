@@ -2,16 +2,19 @@
 
     python experiments/kernel_bench.py [--quick] [--out DIR] [--budget-s S]
 
-1. Correctness first: our decode kernel vs the float32 jnp reference (random permuted
-   tables, mixed lengths incl. 0 and block multiples), vs JAX's shipped
-   ``jax.experimental.pallas.ops.gpu.paged_attention``, a float32 run, and the chunk
-   (multi-query) kernel vs its reference.
+1. Correctness first: our decode kernel vs the one oracle,
+   ``paged_jax.attention.reference.paged_attention`` (gather + fp32 softmax; random
+   permuted tables, mixed lengths incl. 0 and block multiples), vs JAX's shipped
+   ``jax.experimental.pallas.ops.gpu.paged_attention`` where it imports, a float32 run,
+   and the chunk (multi-query) kernel vs the oracle.  Which Pallas backend compiled each
+   kernel (Triton or Mosaic GPU; "interpret" off the GPU) is read off the lowered program
+   and reported.
 2. Device copy bandwidth (a large on-device copy), the yardstick for a memory-bound kernel.
 3. Timing (median over repetitions of back-to-back calls after warm-up, with
    ``block_until_ready`` and ``time.perf_counter``) of
-     ours       - pallas_kernels.paged_attention (small tuning sweep, auto num_splits),
+     ours       - pallas_kernels.paged_attention_decode (small tuning sweep, auto num_splits),
      shipped    - jax.experimental.pallas.ops.gpu.paged_attention (small sweep too),
-     xla_ref    - paged_attention_reference (gather + fp32 softmax, plain XLA),
+     xla_ref    - the oracle (gather + fp32 softmax, plain XLA),
      contiguous - the same attention on contiguous [batch, kv, ctx, D] K/V: XLA einsum
                   and JAX's Triton decode_attention kernel; the faster one counts,
    for bf16, head_dim 128, 32 q heads over 4 kv heads, every row at full context.  The
@@ -48,15 +51,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_kernels.paged_attention import (  # noqa: E402
+from paged_jax.attention import reference  # noqa: E402
+from paged_jax.kv import KVPages  # noqa: E402
+from pallas_kernels import (  # noqa: E402
     default_blocks_per_step,
     default_num_splits,
-    paged_attention,
-    paged_attention_reference,
-)
-from pallas_kernels.paged_attention_chunk import (  # noqa: E402
     paged_attention_chunk,
-    paged_attention_chunk_reference,
+    paged_attention_decode,
 )
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 4, 128
@@ -124,6 +125,33 @@ def make_inputs(key, shape: Shape, *, lengths=None, free_blocks: int = 8, dtype=
     if lengths is None:
         lengths = jnp.full((shape.batch,), shape.context, jnp.int32)
     return q, k_pages, v_pages, tables, jnp.asarray(lengths, jnp.int32)
+
+
+@jax.jit
+def oracle_chunk(q, k_pages, v_pages, tables, lengths, q_lens):
+    """The one oracle on raw arrays: q [b, T, Hq, D] over 4-D pages -> [b, T, Hq, D]."""
+    return reference.paged_attention(q, KVPages(k_pages, v_pages), tables, lengths, q_lens)
+
+
+@jax.jit
+def oracle_decode(q, k_pages, v_pages, tables, lengths):
+    """Decode as a chunk of one query per row (none in length-0 rows): q [b, Hq, D]."""
+    q_lens = (lengths > 0).astype(jnp.int32)
+    return oracle_chunk(q[:, None], k_pages, v_pages, tables, lengths, q_lens)[:, 0]
+
+
+def pallas_backend(fn, *args) -> str:
+    """Which Pallas backend ``fn(*args)`` compiles to here: "triton", "mosaic_gpu",
+    "interpret" (no Pallas custom call: the interpreter's plain HLO), or "error: ..."."""
+    try:
+        text = jax.jit(fn).lower(*args).as_text()
+    except Exception as e:  # a baseline that does not lower is reported, not fatal
+        return f"error: {type(e).__name__}: {str(e)[:120]}"
+    if "triton" in text:
+        return "triton"
+    if "mosaic_gpu" in text:
+        return "mosaic_gpu"
+    return "interpret"
 
 
 @jax.jit
@@ -250,11 +278,11 @@ def check_correctness(env: Env, shape: Shape, quick: bool) -> list[dict]:
     args = make_inputs(jax.random.PRNGKey(0), shape, lengths=lengths)
     q, kp, vp, bt, ln = args
     cfg = our_candidates(shape, env, tune=False)[0]
-    ours = paged_attention(*args, interpret=env.interpret, **cfg)
-    ref = paged_attention_reference(*args)
+    ours = paged_attention_decode(*args, interpret=env.interpret, **cfg)
+    ref = oracle_decode(*args)
     results.append(dict(name=f"ours {cfg} vs reference bf16", err=max_rel_err(ours, ref), tol=2e-2))
     if not quick:
-        o3 = paged_attention(*args, num_splits=3, blocks_per_step=2, interpret=env.interpret)
+        o3 = paged_attention_decode(*args, num_splits=3, blocks_per_step=2, interpret=env.interpret)
         results.append(
             dict(name="ours (3 splits, 2 blocks/step) vs reference bf16", err=max_rel_err(o3, ref), tol=2e-2)
         )
@@ -285,18 +313,44 @@ def check_correctness(env: Env, shape: Shape, quick: bool) -> list[dict]:
             results.append(dict(name="ours vs shipped", err=float("nan"), tol=0.0, error=repr(e)[:300]))
     if not quick:
         f32 = [x.astype(jnp.float32) for x in (q, kp, vp)]
-        o32 = paged_attention(*f32, bt, ln, num_splits=2, interpret=env.interpret)
-        r32 = paged_attention_reference(*f32, bt, ln)
+        o32 = paged_attention_decode(*f32, bt, ln, num_splits=2, interpret=env.interpret)
+        r32 = oracle_decode(*f32, bt, ln)
         results.append(dict(name="ours vs reference fp32 (IEEE dots)", err=max_rel_err(o32, r32), tol=1e-4))
     chunk = 4
     qc = jax.random.normal(jax.random.PRNGKey(1), (shape.batch, chunk, NUM_Q_HEADS, HEAD_DIM), DTYPE)
     q_lens = jnp.minimum(ln, jnp.asarray(np.resize([4, 1, 3, 0], shape.batch), jnp.int32))
     oc = paged_attention_chunk(qc, kp, vp, bt, ln, q_lens, num_splits=2, interpret=env.interpret)
-    rc = paged_attention_chunk_reference(qc, kp, vp, bt, ln, q_lens)
+    rc = oracle_chunk(qc, kp, vp, bt, ln, q_lens)
     results.append(dict(name="chunk kernel vs reference bf16", err=max_rel_err(oc, rc), tol=2e-2))
     for r in results:
         r["ok"] = bool(r["err"] <= r["tol"])
     return results
+
+
+def report_backends(env: Env, shape: Shape) -> dict:
+    """The Pallas backend each kernel compiles to on this device (see ``pallas_backend``)."""
+    args = make_inputs(jax.random.PRNGKey(2), shape)
+    q, kp, vp, bt, ln = args
+    qc = jnp.zeros((shape.batch, 4, NUM_Q_HEADS, HEAD_DIM), DTYPE)
+    out = {
+        "ours_decode": pallas_backend(
+            functools.partial(paged_attention_decode, interpret=env.interpret), *args
+        ),
+        "ours_chunk": pallas_backend(
+            functools.partial(paged_attention_chunk, interpret=env.interpret),
+            qc,
+            kp,
+            vp,
+            bt,
+            ln,
+            jnp.minimum(ln, 4),
+        ),
+    }
+    shipped = shipped_fn()
+    if shipped is not None:
+        tuning = shipped_candidates(shape, env, tune=False)[0]
+        out["shipped"] = pallas_backend(functools.partial(shipped, interpret=env.interpret, **tuning), *args)
+    return out
 
 
 # --------------------------------------------------------------------------- sweep
@@ -376,7 +430,7 @@ def bench_shape(shape: Shape, env: Env, copy_bw: float, tune: bool, shipped) -> 
 
     t, cfg, errs = best_of(
         our_candidates(shape, env, tune),
-        lambda c: functools.partial(paged_attention, interpret=env.interpret, **c),
+        lambda c: functools.partial(paged_attention_decode, interpret=env.interpret, **c),
         args,
         env,
     )
@@ -397,9 +451,7 @@ def bench_shape(shape: Shape, env: Env, copy_bw: float, tune: bool, shipped) -> 
             row["shipped_errors"] = errs
     # The fp32 reference materialises fp32 copies of the gathered K/V: only when small.
     if 3 * shape.kv_bytes <= env.mem_limit // 4:
-        row["xla_ref_us"] = (
-            time_fn(paged_attention_reference, *args, target_s=env.target_s, reps=env.reps) * 1e6
-        )
+        row["xla_ref_us"] = time_fn(oracle_decode, *args, target_s=env.target_s, reps=env.reps) * 1e6
     else:
         row["xla_ref_us"] = None
         row["xla_ref_skipped"] = "memory (fp32 gathered K/V)"
@@ -504,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
             + (f" {c['error']}" if "error" in c else "")
         )
     all_ok = all(c["ok"] for c in checks if "error" not in c)
+    backends = report_backends(env, shapes[0])
+    print("pallas backends: " + ", ".join(f"{k}={v}" for k, v in backends.items()))
 
     copy_bytes = (1 << 20) if quick else (4 << 30)
     copy_bw = copy_bandwidth(env, copy_bytes)
@@ -552,6 +606,7 @@ def main(argv: list[str] | None = None) -> int:
         device=env.device,
         jax_version=jax.__version__,
         interpret=env.interpret,
+        pallas_backends=backends,
         quick=quick,
         shapes=dict(
             num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype=jnp.dtype(DTYPE).name

@@ -11,6 +11,21 @@ import dataclasses
 _INT32_MAX = 2**31 - 1
 
 
+def blocks_for(num_tokens, block_size: int):
+    """Blocks needed to hold ``num_tokens`` tokens: ceil(num_tokens / block_size).
+
+    Works on Python ints and elementwise on NumPy / JAX integer arrays (the result has
+    the input's integer dtype). Written as floor quotient plus "is there a remainder"
+    rather than ``(n + block_size - 1) // block_size``, so it never forms a value larger
+    than ``num_tokens``: no int32 overflow for any int32 input.
+
+    Args:
+      num_tokens: int, or an integer array of any shape.
+      block_size: a positive Python int.
+    """
+    return num_tokens // block_size + (num_tokens % block_size != 0)
+
+
 def _check_int(name: str, value, lo: int, hi: int = _INT32_MAX) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name}={value!r}: must be an int in [{lo}, {hi}]")
@@ -20,7 +35,7 @@ def _check_int(name: str, value, lo: int, hi: int = _INT32_MAX) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    """Shape of the block pool and the block tables (seed M1, M2).
+    """Shape of the block pool and the block tables.
 
     Attributes:
       num_blocks: physical blocks in the pool.
@@ -68,7 +83,7 @@ class CacheConfig:
 
     @property
     def table_bytes(self) -> int:
-        """Bytes of the int32 block tables (seed C4: ~0.4 MB for a 100k-block pool)."""
+        """Bytes of the int32 block tables (about 0.4 MB for a 100k-block pool)."""
         return self.max_seqs * self.max_blocks_per_seq * 4
 
     @property
@@ -76,6 +91,6 @@ class CacheConfig:
         """Bytes of the int32 reference counts."""
         return self.num_blocks * 4
 
-    def blocks_for(self, num_tokens: int) -> int:
-        """Blocks needed to hold ``num_tokens`` tokens (ceil division)."""
-        return -(-num_tokens // self.block_size)
+    def blocks_for(self, num_tokens):
+        """Blocks needed to hold ``num_tokens`` tokens (ceil division; see ``blocks_for``)."""
+        return blocks_for(num_tokens, self.block_size)

@@ -1,26 +1,24 @@
-"""Pallas (Triton-backend) GPU kernels for paged attention.
+"""Pallas (Triton-backend) GPU kernels for paged attention: decode and multi-query chunk.
 
-Layout shared with ``paged_jax``: K/V pages are [num_kv_heads, num_blocks, block_size,
-head_dim], block tables int32[batch, max_blocks_per_seq] with -1 for no block, lengths
-int32[batch].  Every layer's pages stacked as [num_layers, num_kv_heads, ...] can be passed
-whole with ``layer=i``: the kernels read that layer in place (no per-layer copy).  Every
-kernel also runs on CPU with ``interpret=True``.
+Raw-array APIs, independent of any framework:
+
+  paged_attention_decode(q [B, Hq, D], k_pages, v_pages, block_tables, lengths, *, layer, ...)
+  paged_attention_chunk(q [B, T, Hq, D], k_pages, v_pages, block_tables, lengths, q_lens, *, layer, ...)
+
+K/V pages are [num_kv_heads, num_blocks, block_size, head_dim] (``layer=None``), or every
+layer's pool [num_layers, num_kv_heads, ...] with ``layer`` a Python int or a traced int32
+scalar: the kernels read that layer in place (no per-layer copy).  Block tables are
+int32[batch, max_blocks_per_seq] (entries past a sequence's blocks may be anything),
+lengths int32[batch].  Every kernel also runs on CPU with ``interpret=True``.
 """
 
-from pallas_kernels.paged_attention import (
-    default_num_splits,
-    paged_attention,
-    paged_attention_reference,
-)
-from pallas_kernels.paged_attention_chunk import (
-    paged_attention_chunk,
-    paged_attention_chunk_reference,
-)
+from pallas_kernels.chunk import paged_attention_chunk
+from pallas_kernels.common import default_blocks_per_step, default_num_splits
+from pallas_kernels.decode import paged_attention_decode
 
 __all__ = [
+    "default_blocks_per_step",
     "default_num_splits",
-    "paged_attention",
     "paged_attention_chunk",
-    "paged_attention_chunk_reference",
-    "paged_attention_reference",
+    "paged_attention_decode",
 ]

@@ -18,7 +18,8 @@ from paged_jax.cache import set_debug_checks  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _invariants_after_every_op():
-    """Seed M9: every block-manager op in every test is followed by check_invariants."""
+    """Every cache state a test makes (unless it says otherwise) checks its invariants
+    after every block-manager op: the process default for new states is on."""
     previous = set_debug_checks(True)
     yield
     set_debug_checks(previous)

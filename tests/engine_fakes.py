@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 
 from paged_jax import kv
@@ -56,23 +55,12 @@ def _append(params, state, pages, tokens, seq_ids, num_tokens):
     return _readout(pages, state, seq_ids), state, pages, res.status
 
 
-def fake_prefill(params, state, pages, tokens, seq_ids, num_tokens):
-    return _append(params, state, pages, tokens, seq_ids, num_tokens)
-
-
-def fake_decode(params, state, pages, tokens, seq_ids):
-    return _append(params, state, pages, tokens[:, None], seq_ids, (seq_ids >= 0).astype(jnp.int32))
-
-
 @functools.cache  # one backend per setting: engines share its compiled steps
 def fake_backend(block_size: int = 4, eos_token_id: int | None = None, max_position: int | None = 256) -> ModelBackend:
     return ModelBackend(
-        prefill=jax.jit(fake_prefill, donate_argnums=(1, 2)),
-        decode=jax.jit(fake_decode, donate_argnums=(1, 2)),
+        step=_append,
         params={},
         init_pages=lambda num_blocks: kv.init_pages(1, 1, num_blocks, block_size, 1),
-        read_blocks=kv.read_blocks,
-        write_blocks=kv.write_blocks,
         vocab_size=VOCAB,
         eos_token_id=eos_token_id,
         max_position=max_position,

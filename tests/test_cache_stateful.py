@@ -1,6 +1,6 @@
 """Hypothesis drives random op sequences through the jitted block manager and the
-pure-Python reference, for every policy, comparing everything observable after each step.
-check_invariants runs after every op (conftest turns the debug switch on)."""
+pure-Python reference, for every policy (and a non-deterministic one defined here),
+comparing everything observable after each step; check_invariants runs after every step."""
 
 import functools
 
@@ -22,16 +22,18 @@ from paged_jax.cache import (
     init_state,
     open_sequences,
     release,
+    restore_rows,
     select_parents,
-    set_debug_checks,
     truncate,
 )
 from paged_jax.cache import ops as cache_ops
-from paged_jax.cache.reference import ReferenceBlockManager
+from paged_jax.cache.policies import AllocationPolicy, MaskPool, _ranks, lowest_id_first
+from paged_jax.cache.reference import ReferenceBlockManager, ReferenceFreeList
 
 BATCH = 4  # every op is called with this many entries, padded with -1: one trace per op
 MAX_TOKENS = 5
 MAX_SEQS = 6
+MAX_LOCAL = 12  # restore_rows' static bound on the blocks of one swapped group
 
 
 @functools.cache
@@ -44,6 +46,7 @@ def jitted():
         truncate=jax.jit(truncate),
         select=jax.jit(select_parents),
         blocks_needed=jax.jit(cache_ops.blocks_needed),
+        restore=jax.jit(functools.partial(restore_rows, max_local=MAX_LOCAL)),
     )
 
 
@@ -73,8 +76,12 @@ def device_allocated_ids(before, after, ids_, nums, copy_dst):
     return out
 
 
+def device_restored_ids(ids_, num_local):
+    return [int(b) for b in np.asarray(ids_)[:num_local]]
+
+
 class BlockManagerMachine(RuleBasedStateMachine):
-    policy_name = "lifo"
+    policy_name = "lifo"  # a name, or an AllocationPolicy
     shape = (9, 2, 5)  # (num_blocks, block_size, max_blocks_per_seq): fixed, so one trace per op
 
     @initialize()
@@ -82,8 +89,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         num_blocks, block_size, max_blocks_per_seq = self.shape
         config = CacheConfig(num_blocks, block_size, MAX_SEQS, max_blocks_per_seq)
         self.policy = get_policy(self.policy_name)
-        self.state = init_state(config, self.policy)
-        self.ref = ReferenceBlockManager(num_blocks, block_size, MAX_SEQS, max_blocks_per_seq, self.policy_name)
+        # The machine's @invariant runs check_invariants after every step itself; tracing
+        # the ops without the debug callback keeps their compiles cheap.
+        self.state = init_state(config, self.policy, debug=False)
+        self.ref = ReferenceBlockManager(num_blocks, block_size, MAX_SEQS, max_blocks_per_seq, self.policy)
         self.ops = jitted()
 
     def _step(self, before, after, status, ref_status):
@@ -115,9 +124,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def open(self, data):
-        s = self._ids(data, live=False)
+        self._apply_open(self._ids(data, live=False))
+
+    def _apply_open(self, s):
         new, status = self.ops["open"](self.state, pad(s))
-        self._step(self.state, new, status, self.ref.open_sequences(s))
+        ref_status = self.ref.open_sequences(s)
+        self._step(self.state, new, status, ref_status)
+        return ref_status
 
     @rule(data=st.data())
     def append(self, data):
@@ -152,7 +165,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def _apply_fork(self, parents, children):
         new, status = self.ops["fork"](self.state, pad(parents), pad(children))
-        self._step(self.state, new, status, self.ref.fork(parents, children))
+        ref_status = self.ref.fork(parents, children)
+        self._step(self.state, new, status, ref_status)
+        return ref_status
 
     @rule(data=st.data())
     def release(self, data):
@@ -160,7 +175,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def _apply_release(self, s):
         new, status = self.ops["release"](self.state, pad(s))
-        self._step(self.state, new, status, self.ref.release(s))
+        ref_status = self.ref.release(s)
+        self._step(self.state, new, status, ref_status)
+        return ref_status
 
     @rule(data=st.data())
     def truncate(self, data):
@@ -195,6 +212,76 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if data.draw(st.booleans()):
             self._apply_release(data.draw(st.permutations(family)))
 
+    @rule(data=st.data())
+    def swap_out_and_restore(self, data):
+        """Swap a group of live rows out (read their tables, release them) and back in
+        with restore_rows, the blocks they share numbered as local ids; usually into the
+        same rows, sometimes into other free rows; sometimes with a damaged table. The
+        group is usually a row and its kin (rows sharing a block with it), often forked
+        just before (and grown a little) so that it shares blocks. Starts a sequence if
+        none is live."""
+        if not self.ref.tables:  # start a sequence, so that there is something to swap
+            seed = data.draw(st.integers(0, MAX_SEQS - 1))
+            self._apply_open([seed])
+            self._apply_append([seed], [data.draw(st.integers(1, MAX_TOKENS))])
+        seed = data.draw(st.sampled_from(sorted(self.ref.tables)))
+        free = [s for s in range(MAX_SEQS) if s not in self.ref.tables]
+        if free and data.draw(st.booleans()):
+            children = data.draw(st.lists(st.sampled_from(free), min_size=1, max_size=min(2, len(free)), unique=True))
+            self._apply_fork([seed] * len(children), children)
+            family = [seed] + children
+            self._apply_append(family, data.draw(st.lists(st.integers(0, 2), min_size=len(family), max_size=len(family))))
+        live = sorted(self.ref.tables)
+        if data.draw(st.integers(0, 3)):
+            kin = [s for s in live if s != seed and set(self.ref.tables[s]) & set(self.ref.tables[seed])]
+            group = [seed] + data.draw(st.permutations(kin))[: BATCH - 1]
+        else:
+            group = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=BATCH, unique=True))
+        self._swap_group(data, data.draw(st.permutations(group)))
+
+    def _swap_group(self, data, group):
+        lens = [self.ref.lens[s] for s in group]
+        local_of: dict[int, int] = {}
+        width = self.shape[2]
+        tables = []
+        for s in group:
+            row = [local_of.setdefault(b, len(local_of)) for b in self.ref.tables[s]]
+            tables.append(row + [-1] * (width - len(row)))
+        num_local = len(local_of)
+        self._apply_release(group)
+        free = [s for s in range(MAX_SEQS) if s not in self.ref.tables]
+        targets = group if data.draw(st.integers(0, 3)) else data.draw(st.permutations(free))[: len(group)]
+        if data.draw(st.integers(0, 3)) == 0:  # damage: a rejection path, compared with the reference
+            kind = data.draw(st.sampled_from(["entry", "num_local", "length", "repeat"]))
+            i = data.draw(st.integers(0, len(group) - 1))
+            if kind == "entry":
+                tables[i][data.draw(st.integers(0, width - 1))] = data.draw(st.integers(-2, num_local + 1))
+            elif kind == "num_local":
+                num_local += data.draw(st.sampled_from([-1, 1]))
+            elif kind == "length":
+                lens[i] = data.draw(st.sampled_from([-1, width * self.shape[1] + 1, lens[i] + self.shape[1]]))
+            elif lens[i] > self.shape[1]:  # repeat a row's first block later in the row
+                tables[i][1] = tables[i][0]
+        rows = len(targets)
+        self._apply_restore(list(targets), lens[:rows], tables[:rows], num_local)
+
+    def _apply_restore(self, targets, lens, tables, num_local):
+        """restore_rows on the device and the reference, padded to BATCH rows."""
+        width = self.shape[2]
+        ids = list(targets) + [-1] * (BATCH - len(targets))
+        lens = list(lens) + [0] * (BATCH - len(targets))
+        tables = list(tables) + [[-1] * width] * (BATCH - len(targets))
+        new, ids_, status = self.ops["restore"](
+            self.state, pad(ids), pad(lens), jnp.asarray(tables, jnp.int32), jnp.int32(num_local)
+        )
+        device_ids = None
+        if not self.policy.deterministic:
+            device_ids = device_restored_ids(ids_, num_local)
+        ref_status, ref_ids = self.ref.restore_rows(ids, lens, tables, num_local, MAX_LOCAL, device_ids)
+        self._step(self.state, new, status, ref_status)
+        assert np.asarray(ids_).tolist() == ref_ids
+        return ref_status, ref_ids
+
     @invariant()
     def matches_reference(self):
         if not hasattr(self, "state"):
@@ -208,18 +295,52 @@ class BlockManagerMachine(RuleBasedStateMachine):
         np.testing.assert_array_equal(self.policy.free_blocks(self.state.pool), free)
 
 
-@pytest.mark.parametrize("shape", [(9, 2, 5), (12, 4, 3)], ids=["bs2", "bs4"])
-@pytest.mark.parametrize("policy_name", ["lifo", "fifo", "lowest_id_first", "random"])
-def test_block_manager_matches_reference(policy_name, shape):
-    # The machine's @invariant runs check_invariants after every step itself; tracing the
-    # ops without the debug callback keeps their compiles cheap.
-    set_debug_checks(False)
-    machine = type(f"Machine_{policy_name}", (BlockManagerMachine,), {"policy_name": policy_name, "shape": shape})
+def run_machine(policy, shape, max_examples=30):
+    name = policy if isinstance(policy, str) else policy.name
+    machine = type(f"Machine_{name}", (BlockManagerMachine,), {"policy_name": policy, "shape": shape})
     machine.TestCase.settings = settings(
-        max_examples=30,
+        max_examples=max_examples,
         stateful_step_count=30,
         deadline=None,
         suppress_health_check=list(HealthCheck),
         derandomize=False,
     )
     machine.TestCase().runTest()
+
+
+@pytest.mark.parametrize("shape", [(9, 2, 5), (12, 4, 3)], ids=["bs2", "bs4"])
+@pytest.mark.parametrize("policy_name", ["lifo", "fifo", "lowest_id_first", "random"])
+def test_block_manager_matches_reference(policy_name, shape):
+    run_machine(policy_name, shape)
+
+
+@functools.cache
+def highest_id_first() -> AllocationPolicy:
+    """A policy of the test's own: the highest free id first, over the address-order
+    bitmap. Marked ``deterministic=False``, so the reference follows the device's choices
+    (checking each was free) instead of predicting them."""
+    base = lowest_id_first()
+
+    def allocate(pool, want):
+        n = pool.is_free.shape[0]
+        rank, total = _ranks(want)
+        ok = total <= pool.num_free
+        highest = n - 1 - jnp.nonzero(pool.is_free[::-1], size=want.shape[0], fill_value=n)[0]
+        ids = jnp.where(want, highest[rank], -1).astype(jnp.int32)
+        is_free = pool.is_free.at[jnp.where(want & ok, ids, n)].set(False, mode="drop")
+        return MaskPool(is_free, pool.num_free - jnp.where(ok, total, 0)), ids, ok
+
+    return base._replace(name="highest_id_first", allocate=allocate, deterministic=False)
+
+
+def test_a_custom_nondeterministic_policy_is_followed_by_the_reference():
+    run_machine(highest_id_first(), (9, 2, 5), max_examples=10)
+
+
+def test_the_reference_refuses_a_deterministic_policy_it_cannot_predict():
+    with pytest.raises(ValueError, match="mark it deterministic=False"):
+        ReferenceFreeList(highest_id_first()._replace(deterministic=True), 8)
+    free = ReferenceFreeList(highest_id_first(), 8)
+    assert free.pop(7) == 7 and free.ordered() == list(range(7))
+    with pytest.raises(KeyError):
+        free.pop(7)  # the device handed out a block that was not free

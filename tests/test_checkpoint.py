@@ -13,9 +13,10 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from paged_jax import CacheConfig
+from paged_jax.buckets import pad_batch
 from paged_jax.cache import init_state, open_sequences, raise_for_status
 from paged_jax.model import CheckpointError, ModelConfig, dense_forward, load_model, save_params
-from paged_jax.steps import init_pages_for, make_step_fns, pad_batch
+from paged_jax.steps import init_pages_for, make_step_fns
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 NAMES = ("llama", "qwen2", "mistral")

@@ -1,8 +1,11 @@
 import dataclasses
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from paged_jax import CacheConfig
+from paged_jax.config import blocks_for
 
 
 def test_derived_figures():
@@ -10,8 +13,21 @@ def test_derived_figures():
     assert config.max_tokens_per_seq == 2048
     assert config.num_slots == 1_600_000
     assert config.table_bytes == 256 * 128 * 4
-    assert config.ref_count_bytes == 400_000  # seed C4: ~0.4 MB for a 100k-block pool
+    assert config.ref_count_bytes == 400_000  # ~0.4 MB for a 100k-block pool
     assert config.blocks_for(0) == 0 and config.blocks_for(16) == 1 and config.blocks_for(17) == 2
+
+
+def test_blocks_for_on_ints_and_arrays_without_overflow():
+    big = 2**31 - 1
+    assert [blocks_for(n, 4) for n in (0, 1, 4, 5, big)] == [0, 1, 1, 2, 2**29]
+    assert type(blocks_for(5, 4)) is int
+    lens = [0, 1, 16, 17, big]
+    expected = [-(-n // 16) for n in lens]
+    got_np = blocks_for(np.asarray(lens, np.int32), 16)
+    got_jax = blocks_for(jnp.asarray(lens, jnp.int32), 16)
+    assert got_np.dtype == np.int32 and got_np.tolist() == expected
+    assert got_jax.dtype == jnp.int32 and got_jax.tolist() == expected  # (n + 15) // 16 would wrap
+    assert CacheConfig(num_blocks=8, block_size=16).blocks_for(np.asarray([17])).tolist() == [2]
 
 
 def test_frozen():

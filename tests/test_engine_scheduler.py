@@ -29,9 +29,6 @@ def _prompts(n=12, seed=0, lo=1, hi=36):
 
 
 def _llm(num_blocks=None, **kw):
-    # The fake's cost does not depend on the table width, so most engines here pass the
-    # full table (fewer compiled shapes); test_table_narrowing_* covers narrowing.
-    kw.setdefault("narrow_tables", False)
     kw.setdefault("max_num_seqs", 4)
     kw.setdefault("max_num_batched_tokens", 16)
     return LLM(fake_backend(BS, eos_token_id=kw.pop("eos", None)), block_size=BS, num_gpu_blocks=num_blocks,
@@ -50,8 +47,8 @@ def _assert_drained(llm):
     assert int(np.asarray(state.ref_counts).sum()) == 0 and not np.asarray(state.active).any()
     sched = llm.engine.scheduler
     assert not (sched.waiting or sched.running or sched.swapped)
-    if sched.swap_pool is not None:
-        assert sched.swap_pool.num_free == sched.swap_pool.capacity
+    pool = llm.runner.swap_pool
+    assert pool.num_free == pool.capacity
 
 
 @pytest.fixture(scope="module")
@@ -106,27 +103,10 @@ def test_static_baseline_matches_and_is_limited_by_reservations(reference):
     _assert_drained(llm)
 
 
-def test_table_narrowing_with_swap_and_another_victim_policy(reference):
-    llm = _llm(num_blocks=SMALL, preemption_mode="swap", narrow_tables=True, victim_policy="fewest_blocks")
-    assert [llm.runner.table_width(n) for n in (1, 3, 4, 5, 12)] == [4, 4, 4, 8, 12]
+def test_swap_with_another_victim_policy(reference):
+    llm = _llm(num_blocks=SMALL, preemption_mode="swap", victim_policy="fewest_blocks")
     assert _tokens(llm.generate(_prompts(), GREEDY, use_tqdm=False)) == reference
     assert llm.stats()["preemptions"]["swap"] > 0
-    _assert_drained(llm)
-
-
-def test_decode_split_by_table_width_gives_identical_outputs(reference):
-    # A cost model where only padded keys read count: a batch of short and long rows
-    # runs as several narrowed decode calls, while other live rows hold more blocks
-    # than a call's width. Room for all 12 sequences, so batches reach 16 padded rows.
-    llm = _llm(narrow_tables=True, max_num_seqs=16, max_num_batched_tokens=64)
-    llm.runner.config.decode_cost = (0.0, 0.0, 1.0)
-    assert llm.runner.plan_decode([12] * 8 + [1] * 8) == [(list(range(8, 16)), 1), (list(range(8)), 12)]
-    assert llm.runner.plan_decode([3, 1]) == [([1, 0], 3)]  # one table width: one call
-    plans = []
-    plan = llm.runner.plan_decode
-    llm.runner.plan_decode = lambda blocks: plans.append(plan(blocks)) or plans[-1]
-    assert _tokens(llm.generate(_prompts(), GREEDY, use_tqdm=False)) == reference
-    assert any(len(p) > 1 for p in plans)
     _assert_drained(llm)
 
 

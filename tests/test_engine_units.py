@@ -6,9 +6,9 @@ import dataclasses
 import numpy as np
 import pytest
 
+from paged_jax.buckets import bucket
 from paged_jax.engine import SamplingParams, SeqInfo, sample
 from paged_jax.engine.accounting import PagedAccounting, StaticAccounting
-from paged_jax.engine.runner import bucket
 from paged_jax.engine.sampling import seed_for
 from paged_jax.engine.sequence import Sequence
 from paged_jax.engine.swap import HostSwapPool, SwapPoolFullError
@@ -169,7 +169,7 @@ def test_swap_pool_round_trip_and_free_list():
 
 def test_zero_capacity_pool_stores_nothing():
     pool = _pool(0)
-    assert not pool.can_store(1) and pool.can_store(0) and pool.bytes_per_block == 0
+    assert not pool.can_store(1) and pool.can_store(0) and pool.reserve(0) == []
 
 
 # ----------------------------------------------------------------------------- victims
@@ -202,23 +202,23 @@ def test_unknown_victim_policy_lists_the_valid_ones():
 
 def test_paged_admission_keeps_the_watermark_unless_alone():
     acc = PagedAccounting(num_blocks=100, block_size=16, watermark=0.05)  # 5 blocks kept
-    assert acc.can_admit(16 * 10, free_blocks=15, others_running=True)
-    assert not acc.can_admit(16 * 10 + 1, free_blocks=15, others_running=True)
-    assert acc.can_admit(16 * 15, free_blocks=15, others_running=False)
+    assert acc.can_admit(10, free_blocks=15, others_running=True)
+    assert not acc.can_admit(11, free_blocks=15, others_running=True)
+    assert acc.can_admit(15, free_blocks=15, others_running=False)
     assert acc.charged_blocks(42) == 42 and acc.may_preempt
 
 
 def test_static_admission_is_by_reservation():
     acc = StaticAccounting(num_blocks=20, block_size=4, max_model_len=30)  # 8 blocks each
     assert acc.max_concurrent == 2
-    seqs = [object(), object()]
-    for s in seqs:
-        assert acc.can_admit(5, free_blocks=20, others_running=True)
-        acc.on_admit(s)
+    assert not acc.can_admit(2, free_blocks=20, others_running=False, num_seqs=3)  # a request of 3 cannot fit
+    for _ in range(2):
+        assert acc.can_admit(2, free_blocks=20, others_running=True)
+        acc.on_admit()
     assert not acc.can_admit(1, free_blocks=20, others_running=True)
     assert acc.charged_blocks(3) == 16 and not acc.may_preempt
-    acc.on_release(seqs[0])
-    assert acc.can_admit(5, free_blocks=20, others_running=True)
+    acc.on_release()
+    assert acc.can_admit(2, free_blocks=20, others_running=True)
     with pytest.raises(ValueError, match="reserves 8 blocks"):
         StaticAccounting(num_blocks=7, block_size=4, max_model_len=30)
 
@@ -238,8 +238,8 @@ def test_pending_tokens_span_prompt_and_output():
 
 
 def test_bucket_is_a_capped_power_of_two():
-    assert [bucket(n, 8) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
-    assert bucket(5, 6) == 6 and bucket(1, 64, lo=16) == 16 and bucket(17, 64, lo=16) == 32
+    assert [bucket(n, cap=8) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    assert bucket(5, cap=6) == 6 and bucket(1, cap=64, lo=16) == 16 and bucket(17, cap=64, lo=16) == 32
 
 
 # ----------------------------------------------------------------------------- stats

@@ -11,7 +11,6 @@ from paged_jax.kv import (
     bytes_per_token,
     copy_blocks,
     init_pages,
-    kv_bytes_per_token,
     poison_free_blocks,
     read_blocks,
     write_blocks,
@@ -44,7 +43,9 @@ def test_init_pages_shapes_and_dtypes():
 def test_bytes_per_token_matches_formula():
     for dtype in (jnp.float32, jnp.bfloat16):
         pages = init_pages(L, H, N, BS, D, dtype)
-        assert bytes_per_token(pages) == kv_bytes_per_token(L, H, D, dtype) == 2 * L * H * D * jnp.dtype(dtype).itemsize
+        assert bytes_per_token(pages) == 2 * L * H * D * jnp.dtype(dtype).itemsize
+        abstract = jax.eval_shape(lambda dtype=dtype: init_pages(L, H, N, BS, D, dtype))  # no allocation
+        assert bytes_per_block(abstract) == bytes_per_block(pages)
         assert bytes_per_block(pages) == BS * bytes_per_token(pages)
 
 
@@ -69,7 +70,7 @@ def test_write_tokens_scatters_and_drops_padding(mode):
     if mode == "one_layer_of_store":
         out = jax.jit(lambda p, s, k, v: write_tokens(p, s, k, v, layer=1))(pages, slots, k_all[1], v_all[1])
     elif mode == "single_layer_pages":
-        out = write_tokens(pages.layer(0), slots, k_all[0], v_all[0])
+        out = write_tokens(jax.tree.map(lambda x: x[0], pages), slots, k_all[0], v_all[0])
         want_k, want_v = want_k[0], want_v[0]
     else:
         out = write_tokens(pages, slots, k_all, v_all)

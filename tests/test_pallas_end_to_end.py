@@ -6,9 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import CacheConfig
+from paged_jax.buckets import pad_batch, pad_decode
 from paged_jax.cache import fork, init_state, open_sequences, raise_for_status
 from paged_jax.model import ModelConfig, init_params
-from paged_jax.steps import init_pages_for, make_step_fns, pad_batch, pad_decode
+from paged_jax.steps import init_pages_for, make_step_fns
 
 # head_dim 64 and block_size 8 are the smallest shapes the kernels take.
 CFG = ModelConfig(

@@ -17,14 +17,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.paged_attention import (
-    DEFAULT_MASK_VALUE,
-    SUPPORTED_BLOCK_SIZES,
-    SUPPORTED_HEAD_DIMS,
-    paged_attention,
-    paged_attention_grid,
-)
-from pallas_kernels.paged_attention_chunk import paged_attention_chunk
+from pallas_kernels.chunk import paged_attention_chunk
+from pallas_kernels.common import DEFAULT_MASK_VALUE, SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS
+from pallas_kernels.decode import paged_attention_decode, paged_attention_decode_grid
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -69,7 +64,7 @@ def test_decode_lowers_for_cuda(index):
     dtype, head_dim, block_size, (hq, hk) = CASES[index]
     splits, bps = _tuning(index, block_size)
     batch, width = 8, 64
-    fn = functools.partial(paged_attention, num_splits=splits, blocks_per_step=bps)
+    fn = functools.partial(paged_attention_decode, num_splits=splits, blocks_per_step=bps)
     text = _export_for_cuda(
         fn,
         S((batch, hq, head_dim), dtype),
@@ -112,7 +107,7 @@ def test_chunk_lowers_for_cuda(index):
 )
 def test_decode_tuning_variants_lower(kwargs):
     text = _export_for_cuda(
-        functools.partial(paged_attention, **kwargs),
+        functools.partial(paged_attention_decode, **kwargs),
         S((64, 32, 128), jnp.bfloat16),
         _pages(jnp.bfloat16, 128, 16, 4),
         _pages(jnp.bfloat16, 128, 16, 4),
@@ -139,7 +134,7 @@ def test_chunk_block_rows_lower(block_rows):
 def test_large_group_lowers():
     """64 q heads on one kv head: a 64-row q tile."""
     text = _export_for_cuda(
-        paged_attention,
+        paged_attention_decode,
         S((2, 64, 128), jnp.bfloat16),
         _pages(jnp.bfloat16, 128, 16, 1),
         _pages(jnp.bfloat16, 128, 16, 1),
@@ -152,7 +147,8 @@ def test_large_group_lowers():
 def test_lowering_check_is_not_vacuous():
     """A 24-row q tile (not a power of two) must be rejected by the Triton lowering."""
     fn = functools.partial(
-        paged_attention_grid,
+        paged_attention_decode_grid,
+        num_blocks=16,
         scale=1.0,
         blocks_per_step=1,
         num_splits=1,
@@ -165,8 +161,9 @@ def test_lowering_check_is_not_vacuous():
         _export_for_cuda(
             fn,
             S((2, 2, 24, 64), jnp.bfloat16),
-            _pages(jnp.bfloat16, 64, 16, 2),
-            _pages(jnp.bfloat16, 64, 16, 2),
+            S((2 * 16, 16, 64), jnp.bfloat16),  # flat pages: 2 kv heads x 16 blocks
+            S((2 * 16, 16, 64), jnp.bfloat16),
+            S((1,), jnp.int32),
             S((2, 16), jnp.int32),
             S((2,), jnp.int32),
         )
@@ -177,34 +174,53 @@ def test_lowering_check_is_not_vacuous():
 LAYERS, KV_HEADS, NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM = 3, 4, 101, 16, 128
 STACKED = S((LAYERS, KV_HEADS, NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM), jnp.bfloat16)
 STACKED_TYPE = f"tensor<{LAYERS}x{KV_HEADS}x{NUM_BLOCKS}x{BLOCK_SIZE}x{HEAD_DIM}xbf16>"
+# The kernels' view of the stacked pages: [layers * kv heads * blocks, block_size, head_dim].
+FLAT_TYPE = f"tensor<{LAYERS * KV_HEADS * NUM_BLOCKS}x{BLOCK_SIZE}x{HEAD_DIM}xbf16>"
 # Any tensor holding whole [.., num_blocks, block_size, head_dim] pools: the stacked pages
-# themselves, or a copy of (part of) them such as pages[layer] or one head's pool.
+# themselves, or a copy of (part of) them such as pages[layer] or one head's pool; and any
+# flat [M, block_size, head_dim] tensor with at least a pool's worth of blocks.
 POOL_TYPE = re.compile(rf"tensor<((?:\d+x)*){NUM_BLOCKS}x{BLOCK_SIZE}x{HEAD_DIM}xbf16>")
+FLAT_POOL_TYPE = re.compile(rf"tensor<(\d+)x{BLOCK_SIZE}x{HEAD_DIM}xbf16>")
 TRITON_OPERANDS = re.compile(r"stablehlo\.custom_call @__gpu\$xla\.gpu\.triton\(([^)]*)\)")
+RESHAPE_OF_ARG = re.compile(
+    rf"(%\S+) = stablehlo\.reshape %arg\d+ : \({re.escape(STACKED_TYPE)}\) -> {re.escape(FLAT_TYPE)}"
+)
 
 
 def _pages_reach_kernel_unsliced(text: str) -> list[str]:
     """Problems with how the stacked pages reach the Triton call ([] = none).
 
-    The StableHLO module must (1) hold no tensor of any other pool shape (a slice, copy or
-    gather of the pages -- e.g. pages[layer]: [Hkv, N, bs, D]); (2) use the stacked pages
-    in no op other than function signatures, calls/returns and the Triton custom call, so
-    nothing slices, reshapes or copies them; and (3) pass the Triton call, as its K and V
-    operands, function arguments (not op results) of the full 5-D type.
+    The StableHLO module must (1) hold no pool-sized tensor but the stacked pages and
+    their flat view (no slice, copy or gather of them, e.g. pages[layer]: [Hkv, N, bs, D]);
+    (2) use the stacked pages only in function signatures, calls/returns and a reshape of
+    a function argument to the flat view (free: a bitcast of a contiguous array); (3) use
+    the flat view only there and in the Triton call; and (4) pass the Triton call, as its
+    K and V operands, those reshapes.
     """
     problems = []
     other = {m.group(0) for m in POOL_TYPE.finditer(text)} - {STACKED_TYPE}
+    other |= {m.group(0) for m in FLAT_POOL_TYPE.finditer(text) if int(m.group(1)) >= NUM_BLOCKS} - {
+        FLAT_TYPE
+    }
     if other:
         problems.append(f"a layer-sized (or other) copy of the pool exists: {sorted(other)}")
+    reshapes = set()
     for line in text.splitlines():
-        if STACKED_TYPE not in line:
-            continue
         stmt = line.strip()
-        if stmt.startswith("func.func") or stmt.startswith("return") or stmt.startswith("func.return"):
+        match = RESHAPE_OF_ARG.match(stmt)
+        if match:
+            reshapes.add(match.group(1))
             continue
-        if re.match(r"(%\S+ = )?(func\.)?call @", stmt) or TRITON_OPERANDS.search(stmt):
-            continue
-        problems.append(f"an op other than a call uses the stacked pages: {stmt[:200]}")
+        if STACKED_TYPE in stmt:
+            if stmt.startswith(("func.func", "return", "func.return")) or re.match(
+                r"(%\S+ = )?(func\.)?call @", stmt
+            ):
+                continue
+            problems.append(
+                f"an op other than a call or the flat reshape uses the stacked pages: {stmt[:200]}"
+            )
+        elif FLAT_TYPE in stmt and not TRITON_OPERANDS.search(stmt):
+            problems.append(f"an op other than the Triton call uses the flat pages: {stmt[:200]}")
     calls = [line for line in text.splitlines() if TRITON_OPERANDS.search(line)]
     if len(calls) != 1:
         return [*problems, f"expected one Triton call, found {len(calls)}"]
@@ -213,50 +229,89 @@ def _pages_reach_kernel_unsliced(text: str) -> list[str]:
     types = re.findall(r"tensor<[^>]*>", signature)
     if len(types) != len(operands):
         return [*problems, f"cannot match operands {operands} to types {types}"]
-    pages = [(o, t) for o, t in zip(operands[-2:], types[-2:])]  # K, V: the last two operands
-    for name, typ in pages:
-        if typ != STACKED_TYPE or not re.fullmatch(r"%arg\d+", name):
-            problems.append(f"Triton call gets {name}: {typ}, not a {STACKED_TYPE} function argument")
+    for name, typ in zip(operands[-2:], types[-2:]):  # K, V: the last two operands
+        if typ != FLAT_TYPE or name not in reshapes:
+            problems.append(f"Triton call gets {name}: {typ}, not a {FLAT_TYPE} reshape of the stacked pages")
     return problems
 
 
-def _lower_decode_stacked(pages_fn, **kwargs):
+def _lower_decode_stacked(pages_fn, *, traced_layer: bool = False, **kwargs):
+    q, bt, lengths = S((8, 16, HEAD_DIM), jnp.bfloat16), S((8, 64), jnp.int32), S((8,), jnp.int32)
+    if traced_layer:
+        return _export_for_cuda(
+            lambda q, k, v, bt, lengths, layer: paged_attention_decode(
+                q, *pages_fn(k, v), bt, lengths, layer=layer, **kwargs
+            ),
+            q,
+            STACKED,
+            STACKED,
+            bt,
+            lengths,
+            S((), jnp.int32),
+        )
     return _export_for_cuda(
-        lambda q, k, v, bt, lengths: paged_attention(q, *pages_fn(k, v), bt, lengths, **kwargs),
-        S((8, 16, HEAD_DIM), jnp.bfloat16),
+        lambda q, k, v, bt, lengths: paged_attention_decode(q, *pages_fn(k, v), bt, lengths, **kwargs),
+        q,
         STACKED,
         STACKED,
-        S((8, 64), jnp.int32),
-        S((8,), jnp.int32),
+        bt,
+        lengths,
     )
 
 
-@pytest.mark.parametrize("layer,splits", [(0, 1), (LAYERS - 1, 2)])
+@pytest.mark.parametrize("layer,splits", [(0, 1), (LAYERS - 1, 2), ("traced", 2)])
 def test_decode_stacked_pages_lower_without_layer_copy(layer, splits):
-    text = _lower_decode_stacked(lambda k, v: (k, v), layer=layer, num_splits=splits)
+    if layer == "traced":
+        text = _lower_decode_stacked(lambda k, v: (k, v), traced_layer=True, num_splits=splits)
+    else:
+        text = _lower_decode_stacked(lambda k, v: (k, v), layer=layer, num_splits=splits)
     assert TRITON_CALL in text
     assert _pages_reach_kernel_unsliced(text) == []
 
 
-@pytest.mark.parametrize("layer,splits", [(0, 2), (LAYERS - 1, 1)])
+@pytest.mark.parametrize("layer,splits", [(0, 2), ("traced", 1)])
 def test_chunk_stacked_pages_lower_without_layer_copy(layer, splits):
-    text = _export_for_cuda(
-        functools.partial(paged_attention_chunk, layer=layer, num_splits=splits, block_rows=32),
+    args = [
         S((4, 7, 16, HEAD_DIM), jnp.bfloat16),
         STACKED,
         STACKED,
         S((4, 64), jnp.int32),
         S((4,), jnp.int32),
         S((4,), jnp.int32),
-    )
+    ]
+    tuning = dict(num_splits=splits, block_rows=32)
+    if layer == "traced":
+        fn = lambda q, k, v, bt, lengths, q_lens, layer: paged_attention_chunk(
+            q, k, v, bt, lengths, q_lens, layer=layer, **tuning
+        )
+        args.append(S((), jnp.int32))
+    else:
+        fn = functools.partial(paged_attention_chunk, layer=layer, **tuning)
+    text = _export_for_cuda(fn, *args)
     assert TRITON_CALL in text
     assert _pages_reach_kernel_unsliced(text) == []
 
 
 def test_layer_copy_check_is_not_vacuous():
-    """Slicing pages[layer] outside the kernel (the old way) is caught by the check."""
-    text = _lower_decode_stacked(lambda k, v: (k[1], v[1]))
-    problems = _pages_reach_kernel_unsliced(text)
+    """Slicing pages[layer] outside the kernel, by a static or a traced index, is caught."""
+    problems = _pages_reach_kernel_unsliced(_lower_decode_stacked(lambda k, v: (k[1], v[1])))
     assert any("layer-sized" in p for p in problems)
-    assert any("an op other than a call" in p for p in problems)
+    assert any("an op other than" in p for p in problems)
     assert any("not a" in p for p in problems)
+    text = _export_for_cuda(
+        lambda q, k, v, bt, lengths, layer: paged_attention_decode(
+            q,
+            jax.lax.dynamic_index_in_dim(k, layer, keepdims=False),
+            jax.lax.dynamic_index_in_dim(v, layer, keepdims=False),
+            bt,
+            lengths,
+        ),
+        S((8, 16, HEAD_DIM), jnp.bfloat16),
+        STACKED,
+        STACKED,
+        S((8, 64), jnp.int32),
+        S((8,), jnp.int32),
+        S((), jnp.int32),
+    )
+    problems = _pages_reach_kernel_unsliced(text)
+    assert any("layer-sized" in p for p in problems) and any("not a" in p for p in problems)

@@ -1,4 +1,11 @@
-"""Interpret-mode (CPU) tests of the Pallas paged-attention kernels against jnp references.
+"""Interpret-mode (CPU) tests of the Pallas kernels' own API against the one oracle.
+
+What every implementation must do (GQA ratios, NaN in unowned slots, forks, layers, traced
+layers, ...) is checked through ``paged_jax.attention.pallas`` in
+``test_attention_contract.py``; this file covers what is the kernels' own: their raw-array
+API, every supported dtype / head_dim / block_size, tuning parameters (blocks per step,
+splits, row blocks), clamping, and their ValueError validation.  The oracle is
+``paged_jax.attention.reference.paged_attention``.
 
 Every case builds a fresh random pool whose physical blocks are handed out in a random
 order, optionally shared between sequences (forks), and whose unreferenced slots -- free
@@ -20,17 +27,28 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from paged_jax.attention import reference
+from paged_jax.kv import KVPages
+from pallas_kernels.chunk import paged_attention_chunk
+
 # Imported from the modules, not the package: a stale editable install can expose
 # ``pallas_kernels`` as a namespace package when pytest does not put the repo on sys.path.
-from pallas_kernels.paged_attention import (
-    default_num_splits,
-    paged_attention,
-    paged_attention_reference,
-)
-from pallas_kernels.paged_attention_chunk import (
-    paged_attention_chunk,
-    paged_attention_chunk_reference,
-)
+from pallas_kernels.common import default_num_splits
+from pallas_kernels.decode import paged_attention_decode
+
+
+@jax.jit
+def _oracle_chunk(q, k_pages, v_pages, block_tables, lengths, q_lens, layer=None, scale=None):
+    return reference.paged_attention(
+        q, KVPages(k_pages, v_pages), block_tables, lengths, q_lens, layer=layer, scale=scale
+    )
+
+
+def _oracle_decode(q, k_pages, v_pages, block_tables, lengths, layer=None, scale=None):
+    """Decode as a chunk of one query per row (none for rows of length 0)."""
+    q_lens = (lengths > 0).astype(jnp.int32)
+    return _oracle_chunk(q[:, None], k_pages, v_pages, block_tables, lengths, q_lens, layer, scale)[:, 0]
+
 
 TOLERANCE = {
     jnp.dtype(jnp.float32): dict(atol=2e-5, rtol=1e-5),
@@ -148,13 +166,13 @@ def _decode_case(rng, dtype, head_dim, block_size, hq, hk, *, lengths=None, **kw
 
 
 def _run_decode(q, pool, **kw):
-    return paged_attention(
+    return paged_attention_decode(
         q, pool.k_pages, pool.v_pages, pool.block_tables, pool.lengths, interpret=True, **kw
     )
 
 
 def _reference_decode(q, pool, **kw):
-    return paged_attention_reference(q, pool.k_pages, pool.v_pages, pool.block_tables, pool.lengths, **kw)
+    return _oracle_decode(q, pool.k_pages, pool.v_pages, pool.block_tables, pool.lengths, **kw)
 
 
 @pytest.mark.parametrize("dtype,head_dim,block_size,hq,hk,bps,splits", DECODE_CONFIGS)
@@ -299,9 +317,7 @@ def _run_chunk(q, pool, q_lens, **kw):
 
 
 def _reference_chunk(q, pool, q_lens, **kw):
-    return paged_attention_chunk_reference(
-        q, pool.k_pages, pool.v_pages, pool.block_tables, pool.lengths, q_lens, **kw
-    )
+    return _oracle_chunk(q, pool.k_pages, pool.v_pages, pool.block_tables, pool.lengths, q_lens, **kw)
 
 
 @pytest.mark.parametrize("dtype,head_dim,block_size,hq,hk,chunk,block_rows,bps,splits", CHUNK_CONFIGS)
@@ -375,24 +391,37 @@ def stack_layers(rng, pool: Pool, num_layers: int = NUM_LAYERS) -> tuple[jax.Arr
 
 
 def test_decode_layer_reads_the_named_layer_of_stacked_pages():
-    """5-D pages + layer=i == 4-D pages[i] (fp32, tight), and the layers really differ."""
+    """5-D pages + an int or a traced layer == 4-D pages[layer] (fp32, tight), with splits;
+    the layers really differ."""
     rng = np.random.default_rng(8)
     q, pool = _decode_case(rng, jnp.float32, 64, 16, 8, 2, fork=True)
     k5, v5 = stack_layers(rng, pool)
     tuning = dict(blocks_per_step=2, num_splits=3)
+    traced = jax.jit(
+        lambda q, k, v, bt, lengths, layer: paged_attention_decode(
+            q, k, v, bt, lengths, layer=layer, interpret=True, **tuning
+        )
+    )
     outs = []
     for layer in (0, NUM_LAYERS - 1):
         layer_pool = dataclasses.replace(pool, k_pages=k5[layer], v_pages=v5[layer])
-        out = paged_attention(
+        want = _run_decode(q, layer_pool, **tuning)
+        out = paged_attention_decode(
             q, k5, v5, pool.block_tables, pool.lengths, layer=layer, interpret=True, **tuning
         )
         assert out.shape == q.shape and out.dtype == q.dtype
-        np.testing.assert_allclose(out, _run_decode(q, layer_pool, **tuning), atol=1e-6, rtol=1e-6)
-        ref = paged_attention_reference(q, k5, v5, pool.block_tables, pool.lengths, layer=layer)
-        assert_close(out, ref, jnp.float32)
+        np.testing.assert_allclose(out, want, atol=1e-6, rtol=1e-6)
+        out_traced = traced(q, k5, v5, pool.block_tables, pool.lengths, jnp.int32(layer))
+        np.testing.assert_allclose(out_traced, want, atol=1e-6, rtol=1e-6)
+        assert_close(out, _reference_decode(q, layer_pool), jnp.float32)
         outs.append(np.asarray(out))
     nonempty = np.asarray(pool.lengths) > 0
     assert not np.allclose(outs[0][nonempty], outs[1][nonempty])
+    # A traced layer out of range is clamped (as XLA clamps a dynamic index).
+    np.testing.assert_array_equal(
+        traced(q, k5, v5, pool.block_tables, pool.lengths, jnp.int32(7)),
+        traced(q, k5, v5, pool.block_tables, pool.lengths, jnp.int32(NUM_LAYERS - 1)),
+    )
 
 
 def test_chunk_layer_reads_the_named_layer_of_stacked_pages():
@@ -400,16 +429,23 @@ def test_chunk_layer_reads_the_named_layer_of_stacked_pages():
     q, pool, q_lens = _chunk_case(rng, jnp.float32, 64, 16, 8, 2, 7, fork=True)
     k5, v5 = stack_layers(rng, pool)
     tuning = dict(block_rows=16, blocks_per_step=2, num_splits=3)
+    traced = jax.jit(
+        lambda q, k, v, bt, lengths, q_lens, layer: paged_attention_chunk(
+            q, k, v, bt, lengths, q_lens, layer=layer, interpret=True, **tuning
+        )
+    )
     outs = []
     for layer in (0, NUM_LAYERS - 1):
         layer_pool = dataclasses.replace(pool, k_pages=k5[layer], v_pages=v5[layer])
+        want = _run_chunk(q, layer_pool, q_lens, **tuning)
         out = paged_attention_chunk(
             q, k5, v5, pool.block_tables, pool.lengths, q_lens, layer=layer, interpret=True, **tuning
         )
         assert out.shape == q.shape and out.dtype == q.dtype
-        np.testing.assert_allclose(out, _run_chunk(q, layer_pool, q_lens, **tuning), atol=1e-6, rtol=1e-6)
-        ref = paged_attention_chunk_reference(q, k5, v5, pool.block_tables, pool.lengths, q_lens, layer=layer)
-        assert_close(out, ref, jnp.float32)
+        np.testing.assert_allclose(out, want, atol=1e-6, rtol=1e-6)
+        out_traced = traced(q, k5, v5, pool.block_tables, pool.lengths, q_lens, jnp.int32(layer))
+        np.testing.assert_allclose(out_traced, want, atol=1e-6, rtol=1e-6)
+        assert_close(out, _reference_chunk(q, layer_pool, q_lens), jnp.float32)
         outs.append(np.asarray(out))
     valid = np.arange(q.shape[1])[None, :] < np.asarray(q_lens)[:, None]
     assert not np.allclose(outs[0][valid], outs[1][valid])
@@ -435,7 +471,18 @@ GOOD = dict(
 
 def _decode_eval(q=GOOD["q"], k=GOOD["k"], v=None, bt=GOOD["bt"], lengths=GOOD["lengths"], **kw):
     v = k if v is None else v
-    return jax.eval_shape(lambda *a: paged_attention(*a, interpret=True, **kw), q, k, v, bt, lengths)
+    if isinstance(kw.get("layer"), jax.ShapeDtypeStruct):  # a traced layer
+        layer = kw.pop("layer")
+        return jax.eval_shape(
+            lambda *a: paged_attention_decode(*a[:-1], layer=a[-1], interpret=True, **kw),
+            q,
+            k,
+            v,
+            bt,
+            lengths,
+            layer,
+        )
+    return jax.eval_shape(lambda *a: paged_attention_decode(*a, interpret=True, **kw), q, k, v, bt, lengths)
 
 
 @pytest.mark.parametrize(
@@ -467,9 +514,12 @@ def _decode_eval(q=GOOD["q"], k=GOOD["k"], v=None, bt=GOOD["bt"], lengths=GOOD["
         (dict(layer=0), "layer=0 needs 5-D pages"),
         (dict(k=S((3, 2, 10, 16, 64), jnp.float32), layer=3), r"out of range \[0, 3\)"),
         (dict(k=S((3, 2, 10, 16, 64), jnp.float32), layer=-1), "out of range"),
-        (dict(k=S((3, 2, 10, 16, 64), jnp.float32), layer=1.0), "layer must be a Python int"),
-        (dict(k=S((3, 2, 10, 16, 64), jnp.float32), layer=True), "layer must be a Python int"),
-        (dict(k=S((3, 2, 10, 16, 64), jnp.float32), layer="1"), "layer must be a Python int"),
+        (dict(k=S((3, 2, 10, 16, 64), jnp.float32), layer=1.0), "layer must be an int"),
+        (dict(k=S((3, 2, 10, 16, 64), jnp.float32), layer=True), "layer must be an int"),
+        (dict(k=S((3, 2, 10, 16, 64), jnp.float32), layer="1"), "layer must be an int"),
+        (dict(k=S((3, 2, 10, 16, 64), jnp.float32), layer=S((), jnp.float32)), "layer must be an int"),
+        (dict(k=S((3, 2, 10, 16, 64), jnp.float32), layer=S((2,), jnp.int32)), "layer must be an int"),
+        (dict(layer=S((), jnp.int32)), "needs 5-D pages"),
         (dict(k=S((1, 3, 2, 10, 16, 64), jnp.float32), layer=0), "needs 5-D pages"),
         (
             dict(k=S((3, 2, 10, 16, 64), jnp.float32), v=S((2, 10, 16, 64), jnp.float32), layer=0),
@@ -489,28 +539,9 @@ def test_decode_valid_shapes_pass_validation():
     k5 = S((3, 2, 10, 16, 64), jnp.float32)
     for layer in (0, 2):
         assert _decode_eval(k=k5, layer=layer).shape == (2, 8, 64)
-    # A numpy integer is an int too.  (Another shape: jit's static-argument cache treats
-    # np.int32(1), 1, 1.0 and True alike, so it must not share one with the error cases.)
+    # A numpy integer is an int too, and a traced int32 scalar is a layer.
     assert _decode_eval(k=S((4, 2, 10, 16, 64), jnp.float32), layer=np.int32(1)).shape == (2, 8, 64)
-
-
-@pytest.mark.parametrize(
-    "k,layer,match",
-    [
-        (S((3, 2, 10, 16, 64), jnp.float32), None, "pass layer=i"),
-        (GOOD["k"], 0, "needs 5-D pages"),
-        (S((3, 2, 10, 16, 64), jnp.float32), 5, "out of range"),
-    ],
-)
-def test_references_validate_layer(k, layer, match):
-    q3, q4 = GOOD["q"], S((2, 3, 8, 64), jnp.float32)
-    bt, lengths = GOOD["bt"], GOOD["lengths"]
-    with pytest.raises(ValueError, match=match):
-        jax.eval_shape(lambda *a: paged_attention_reference(*a, layer=layer), q3, k, k, bt, lengths)
-    with pytest.raises(ValueError, match=match):
-        jax.eval_shape(
-            lambda *a: paged_attention_chunk_reference(*a, layer=layer), q4, k, k, bt, lengths, lengths
-        )
+    assert _decode_eval(k=k5, layer=S((), jnp.int32)).shape == (2, 8, 64)
 
 
 @pytest.mark.parametrize(
@@ -525,7 +556,7 @@ def test_references_validate_layer(k, layer, match):
         (dict(k=S((3, 2, 10, 16, 64), jnp.float32)), "pass layer=i"),
         (dict(layer=1), "needs 5-D pages"),
         (dict(k=S((3, 2, 10, 16, 64), jnp.float32), layer=3), "out of range"),
-        (dict(k=S((3, 2, 10, 16, 64), jnp.float32), layer=0.0), "layer must be a Python int"),
+        (dict(k=S((3, 2, 10, 16, 64), jnp.float32), layer=0.0), "layer must be an int"),
         (dict(k=S((3, 2, 10, 16, 64), jnp.float32), layer=2, block_rows=8), "block_rows"),
     ],
 )

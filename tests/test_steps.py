@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from paged_jax import CacheConfig
+from paged_jax.buckets import bucket, pad_batch, pad_decode
 from paged_jax.cache import (
     CacheOpError,
     Status,
@@ -25,16 +26,7 @@ from paged_jax.cache import (
 )
 from paged_jax.kv import poison_free_blocks
 from paged_jax.model import ModelConfig, dense_forward, init_params
-from paged_jax.steps import (
-    STATUS_INVALID_TOKEN,
-    bucket,
-    init_pages_for,
-    make_step_fns,
-    pad_batch,
-    pad_decode,
-    raise_for_step_status,
-    validate_prompt,
-)
+from paged_jax.steps import init_pages_for, make_step_fns, validate_prompt
 
 CFG = ModelConfig(
     vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
@@ -302,17 +294,17 @@ def test_rejected_step_leaves_cache_and_pages_unchanged():
     _, h.state, h.pages, status = h.fns.prefill(h.params, h.state, h.pages, *batch)
     assert list(np.asarray(status)[:3]) == [Status.OK, Status.OK, Status.INACTIVE_SEQ]
     same()
-    # An id outside the vocabulary: refused with STATUS_INVALID_TOKEN, nothing changes.
+    # An id outside the vocabulary: refused with Status.INVALID_TOKEN, nothing changes.
     batch = pad_batch([0, 1], [[1, 2], [3, CFG.vocab_size]], batch_buckets=[B], length_buckets=[T])
     _, h.state, h.pages, status = h.fns.prefill(h.params, h.state, h.pages, *batch)
-    assert list(np.asarray(status)[:2]) == [Status.OK, STATUS_INVALID_TOKEN]  # row 0 fine, call refused
+    assert list(np.asarray(status)[:2]) == [Status.OK, Status.INVALID_TOKEN]  # row 0 fine, call refused
     same()
     tokens, seq_ids = pad_decode([0, 1], [-1, 3], batch_buckets=[B])
     _, h.state, h.pages, status = h.fns.decode(h.params, h.state, h.pages, tokens, seq_ids)
-    assert list(np.asarray(status)[:2]) == [STATUS_INVALID_TOKEN, Status.OK]
+    assert list(np.asarray(status)[:2]) == [Status.INVALID_TOKEN, Status.OK]
     same()
     with pytest.raises(CacheOpError, match="seq 0: INVALID_TOKEN"):
-        raise_for_step_status("decode", seq_ids, status)
+        raise_for_status("decode", seq_ids, status)
 
 
 def test_validate_prompt_names_the_limits():

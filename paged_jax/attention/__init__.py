@@ -1,23 +1,23 @@
-"""Attention over paged and dense KV: a plain-XLA reference, a length-aware XLA fast path,
-and an impl dispatcher."""
+"""Paged attention: one contract (``contract``), its implementations, and a dispatcher.
 
-# Length-aware plain XLA (dispatch's "xla"; the default off the GPU).
-from paged_jax.attention.blocked import paged_attention_blocked, paged_decode_attention_blocked
+Every implementation is ``paged_attention(q, pages, block_tables, lengths, q_lens, *,
+layer=None, scale=None) -> [B, T, Hq, D]`` (``contract``'s module doc states the shapes and
+conventions once):
 
-# The dispatcher: "auto" | "xla" | "reference" | "pallas" | "pallas_interpret".
-from paged_jax.attention.dispatch import IMPLS, paged_attention, paged_attention_chunk, resolve_impl
+- ``reference.paged_attention``: the oracle (whole-table gather + masked fp32 softmax).
+- ``blocked.paged_attention``: length-aware plain XLA (dispatch's "xla").
+- ``pallas.paged_attention``: the ``pallas_kernels`` GPU kernels (an optional import).
 
-# Plain-XLA reference implementations (the oracle for kernels).
-from paged_jax.attention.reference import (
-    dense_causal_attention,
-    gather_pages,
-    paged_chunk_attention,
-    paged_decode_attention,
-    select_layer,
-)
+``dispatch.paged_attention(..., impl=...)`` picks one by name ("auto", "reference", "xla",
+"pallas", "pallas_interpret", or a name given to ``dispatch.register_impl``).
+``dense_causal_attention`` is the non-paged counterpart for contiguous keys.
+"""
+
+from paged_jax.attention import blocked, contract, dispatch, pallas, reference
+from paged_jax.attention.dispatch import IMPLS, paged_attention, register_impl, resolve_impl
+from paged_jax.attention.reference import dense_causal_attention, gather_blocks
 
 __all__ = [
-    "IMPLS", "dense_causal_attention", "gather_pages", "paged_attention", "paged_attention_chunk",
-    "paged_attention_blocked", "paged_chunk_attention", "paged_decode_attention",
-    "paged_decode_attention_blocked", "resolve_impl", "select_layer",
+    "IMPLS", "blocked", "contract", "dense_causal_attention", "dispatch", "gather_blocks", "pallas",
+    "paged_attention", "reference", "register_impl", "resolve_impl",
 ]

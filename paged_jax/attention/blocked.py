@@ -17,10 +17,9 @@ step reading padding. This implementation does the same arithmetic on only the l
 3. A chunk's gathered K/V (``r x chunk`` keys) stays in cache between the score and value
    products; nothing table-sized is materialised.
 
-Same contract as ``reference.paged_chunk_attention`` (see that module's docstring): query
-``t < q_lens[b]`` sits at ``lengths[b] - q_lens[b] + t``; masked keys never reach the
-result even when their memory holds NaN/Inf (scores replaced, values zeroed); rows past
-``q_lens`` and rows without keys output 0; fp32 arithmetic, output in ``q``'s dtype.
+The contract of ``paged_jax.attention.contract``, tested against ``reference``. The layer
+of 5-D pages (a Python int or a traced scalar) is a coordinate of each chunk's gather, so
+no layer slice of the pool exists inside or outside the loops.
 
 Tuning parameters are keyword-only; the defaults were measured on a 2-core x86 CPU
 (``experiments/decode_step.py`` times the step they feed).
@@ -31,22 +30,22 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from paged_jax.attention.reference import check_layer
+from paged_jax.attention import contract
+from paged_jax.attention.reference import gather_blocks
 
 _MASKED = -1e30  # finite: exp(_MASKED - max) underflows to 0 without Inf - Inf = NaN
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def paged_attention_blocked(
+def paged_attention(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    pages,
     block_tables: jax.Array,
     lengths: jax.Array,
     q_lens: jax.Array,
     *,
-    scale: float | None = None,
     layer: int | jax.Array | None = None,
+    scale: float | None = None,
     query_tile: int = 8,
     min_groups: int = 4,
     blocks_per_chunk: int = 8,
@@ -55,17 +54,9 @@ def paged_attention_blocked(
     """Causal attention of up to T new tokens per row over a paged KV cache.
 
     Args:
-      q: [B, T, Hq, D] queries (T = 1 for decode).
-      k_pages, v_pages: [Hkv, N, bs, D] one layer's pages, the new tokens already written;
-        or every layer's, [L, Hkv, N, bs, D], with ``layer`` choosing one. Prefer the
-        latter inside a model: the layer is then indexed inside the loop, where it fuses
-        into the gather, while a layer slice taken outside would be copied (the whole
-        layer, every call) to become the loop's operand.
-      block_tables: int32[B, P]; entries past a row's blocks may be anything (-1).
-      lengths: int32[B] KV length including the new tokens; <= P * bs.
-      q_lens: int32[B] real queries per row (<= T, <= lengths).
-      scale: score scale; default ``D ** -0.5``.
-      layer: which layer of 5-D pages to read (required for them, refused for 4-D).
+      q, pages, block_tables, lengths, q_lens, layer, scale: as in ``contract`` (q
+        [B, T, Hq, D]; pages leaves [L, Hkv, N, bs, D] with ``layer``, or [Hkv, N, bs, D];
+        int32 block_tables [B, P], lengths and q_lens [B]).
       query_tile: queries per group: a group holds at most ``query_tile // T`` rows.
       min_groups: and at most ``B // min_groups`` rows (at least 1): every row of a group
         pays for its longest, so a small batch pads less in a few small groups than in
@@ -77,33 +68,31 @@ def paged_attention_blocked(
 
     Returns [B, T, Hq, D] in q.dtype.
     """
-    q, k_pages, v_pages = jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages)
-    b, t, hq, d = q.shape
-    check_layer(k_pages, layer)
-    hkv, n, bs, _ = k_pages.shape[-4:]
+    sizes = contract.check(q, pages, block_tables, lengths, q_lens, layer)
+    b, t, hq, d = sizes.batch, sizes.queries, sizes.q_heads, sizes.head_dim
+    hkv, n, bs, g = sizes.kv_heads, sizes.num_blocks, sizes.block_size, sizes.group
+    q, k_pages, v_pages = jnp.asarray(q), jnp.asarray(pages.k), jnp.asarray(pages.v)
     p = block_tables.shape[1]
-    if hkv < 1 or hq % hkv:
-        raise ValueError(f"num_q_heads={hq} must be a multiple of num_kv_heads={hkv}")
     if min(query_tile, min_groups, blocks_per_chunk, tail_blocks) < 1:
         raise ValueError(
             f"query_tile={query_tile}, min_groups={min_groups}, blocks_per_chunk={blocks_per_chunk} and "
             f"tail_blocks={tail_blocks} must be >= 1"
         )
-    g = hq // hkv
-    scale = d**-0.5 if scale is None else scale
+    scale = contract.default_scale(d, scale)
     r = max(1, min(query_tile // t, b // min_groups))  # rows per group
     c = min(blocks_per_chunk, p)  # blocks per chunk of the main loop
     ct = min(tail_blocks, c)  # blocks per chunk of the tail loop
     ng = -(-b // r)
 
-    lengths = lengths.astype(jnp.int32)
-    q_lens = q_lens.astype(jnp.int32)
+    block_tables = jnp.asarray(block_tables, jnp.int32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    q_lens = jnp.asarray(q_lens, jnp.int32)
     # Longest rows first, so each group's trip count is close to each of its rows' needs.
     order = jnp.argsort(-lengths)
     pad_b = ng * r - b
     lens_g = jnp.pad(lengths[order], (0, pad_b)).reshape(ng, r)
     qlens_g = jnp.pad(q_lens[order], (0, pad_b)).reshape(ng, r)
-    tables = jnp.clip(block_tables[order].astype(jnp.int32), 0, n - 1)
+    tables = jnp.clip(block_tables[order], 0, n - 1)
     # Room past the last column for the last tail chunk: dynamic_slice would otherwise
     # clamp its start, silently shifting the window onto the wrong blocks.
     width = -(-p // c) * c + ct
@@ -126,12 +115,8 @@ def paged_attention_blocked(
                 m, denom, acc = carry  # [Hkv, r, TG], [Hkv, r, TG], [Hkv, r, TG, D]
                 start = first_block + i * cb
                 cols = jax.lax.dynamic_slice_in_dim(table, start, cb, axis=1)  # [r, cb]
-                if layer is None:
-                    k, v = k_pages[:, cols], v_pages[:, cols]
-                else:
-                    k, v = k_pages[layer][:, cols], v_pages[layer][:, cols]
-                k = k.reshape(hkv, r, ck, d).astype(jnp.float32)
-                v = v.reshape(hkv, r, ck, d).astype(jnp.float32)
+                k = gather_blocks(k_pages, cols, layer).reshape(hkv, r, ck, d).astype(jnp.float32)
+                v = gather_blocks(v_pages, cols, layer).reshape(hkv, r, ck, d).astype(jnp.float32)
                 k_pos = start * bs + jnp.arange(ck, dtype=jnp.int32)  # [ck]
                 key_ok = k_pos[None, :] < lens[:, None]  # [r, ck]
                 if t == 1:
@@ -175,30 +160,3 @@ def paged_attention_blocked(
     out = jax.lax.fori_loop(0, ng, attend_group, jnp.zeros((ng, r, t, hq, d), jnp.float32))
     out = out.reshape(ng * r, t, hq, d)[:b]
     return jnp.zeros_like(out).at[order].set(out).astype(q.dtype)
-
-
-def paged_decode_attention_blocked(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    block_tables: jax.Array,
-    lengths: jax.Array,
-    *,
-    scale: float | None = None,
-    layer: int | jax.Array | None = None,
-    query_tile: int = 8,
-    min_groups: int = 4,
-    blocks_per_chunk: int = 8,
-    tail_blocks: int = 2,
-) -> jax.Array:
-    """Decode: q [B, Hq, D], one new token per row; lengths 0 = padding row -> [B, Hq, D].
-
-    See ``paged_attention_blocked`` for the rest of the arguments.
-    """
-    q_lens = (lengths > 0).astype(jnp.int32)
-    out = paged_attention_blocked(
-        q[:, None], k_pages, v_pages, block_tables, lengths, q_lens,
-        scale=scale, layer=layer, query_tile=query_tile, min_groups=min_groups, blocks_per_chunk=blocks_per_chunk,
-        tail_blocks=tail_blocks,
-    )
-    return out[:, 0]

@@ -1,26 +1,19 @@
-"""Plain-XLA attention: paged (through block tables) and dense, the oracle for kernels.
+"""Plain-XLA attention: the paged oracle, and dense causal attention over contiguous keys.
 
-Conventions shared with ``pallas_kernels``:
-
-- Query head ``h`` reads kv head ``h // (Hq // Hkv)`` (Hugging Face's ``repeat_kv``):
-  MHA (Hq == Hkv), GQA, MQA (Hkv == 1).
-- ``lengths[b]`` is the sequence's total KV length, the current tokens included (their
-  K/V are already written). Query ``t < q_lens[b]`` sits at position
-  ``lengths[b] - q_lens[b] + t`` and attends to keys ``[0, that position]``. Rows
-  ``t >= q_lens[b]`` output 0, and so does a row with no key at all (length 0): finite,
-  never NaN.
-- Scores, softmax and the weighted sum are fp32; the output has ``q``'s dtype.
-- ``scale`` defaults to ``head_dim ** -0.5``.
-
-Masked positions never reach the result, even when their memory holds NaN or Inf (a
-free block, a stale tail of the last block): masked scores are replaced rather than
-added to, and masked values are zeroed before the weighted sum.
+``paged_attention`` is the reference implementation of the contract in
+``paged_jax.attention.contract`` (its conventions: GQA head mapping, query positions,
+fp32 arithmetic, masked memory never read into the result): it gathers every block of
+every row's table and runs one masked softmax, so every other implementation is tested
+against it. ``dense_causal_attention`` (the model's dense and contiguous-cache backends)
+shares its masked-softmax core, ``_attend``.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from paged_jax.attention import contract
 
 # A finite mask value: exp(_MASKED - max) underflows to 0 without Inf - Inf = NaN.
 _MASKED = -1e30
@@ -46,7 +39,7 @@ def _attend(
 
     Args:
       q: [B, T, Hq, D]. k, v: [B, Hkv, S, D] (head-major, the page layout's order).
-        lengths, q_lens: int32[B] (see module doc); keys at ``s >= lengths[b]`` are ignored.
+        lengths, q_lens: int32[B] as in ``contract``; keys at ``s >= lengths[b]`` are ignored.
 
     Returns [B, T, Hq, D] in q.dtype.
     """
@@ -76,92 +69,66 @@ def _attend(
     return out.reshape(b, t, hq, d).astype(q.dtype)
 
 
-def select_layer(pages: jax.Array, layer: int | None) -> jax.Array:
-    """One layer's pages ``[Hkv, N, bs, D]``: ``pages`` itself when 4-D (``layer`` None), or
-    ``pages[layer]`` of every layer's ``[L, Hkv, N, bs, D]``. Raises ValueError when the
-    rank and ``layer`` disagree. Implementations that loop over the pages should index
-    the layer inside the loop instead (a slice taken outside is materialised)."""
-    check_layer(pages, layer)
-    return pages if layer is None else pages[layer]
-
-
-def check_layer(pages: jax.Array, layer) -> None:
-    """ValueError unless 4-D pages come with ``layer=None`` and 5-D ones with an index."""
-    if (pages.ndim == 5) != (layer is not None) or pages.ndim not in (4, 5):
-        raise ValueError(
-            f"pages of shape {pages.shape} need layer=None when 4-D [Hkv, N, bs, D], a layer index "
-            f"when 5-D [L, Hkv, N, bs, D] (got layer={layer})"
-        )
-
-
-def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
-    """Contiguous per-sequence keys (or values) read through the block tables.
+def gather_blocks(leaf: jax.Array, block_ids: jax.Array, layer: int | jax.Array | None = None) -> jax.Array:
+    """Whole blocks of one layer, read through block ids in one gather.
 
     Args:
-      pages: [Hkv, N, bs, D]. block_tables: int32[B, P]; ``NO_BLOCK`` (-1) entries read
-        block 0 (callers mask them by length).
+      leaf: a page leaf, every layer's [L, Hkv, N, bs, F] (``layer`` naming one) or one
+        layer's [Hkv, N, bs, F] (``layer`` None).
+      block_ids: int[...] of any shape; ids outside [0, N) (-1) are clamped into range
+        (callers mask what they read there), and so is a traced layer outside [0, L).
+      layer: a Python int or an int32 scalar (traced or not), or None for 4-D leaves.
 
-    Returns [B, Hkv, P * bs, D] (head-major).
+    Returns [Hkv, *block_ids.shape, bs, F] in leaf.dtype. The layer is a coordinate of the
+    gather, not a slice taken first: a ``leaf[layer]`` slice feeding a loop is
+    materialised (the whole layer's pool copied per call), while the gather reads only the
+    named blocks. Sub-fp32 floats are gathered as unsigned integers of their width (free
+    bitcasts): XLA:CPU has no bf16/f16 gather and converts the whole operand to f32, and
+    when the pages are loop-invariant (a scan over layers, the blocked loops) that convert
+    is hoisted out of the loop and materialised, i.e. the whole pool converted per call.
     """
-    hkv, n, bs, d = pages.shape
-    b, p = block_tables.shape
-    safe = jnp.clip(block_tables, 0, n - 1)
-    gathered = pages[:, safe]  # [Hkv, B, P, bs, D]
-    return jnp.swapaxes(gathered, 0, 1).reshape(b, hkv, p * bs, d)
+    if layer is None:
+        leaf, layer = leaf[None], 0  # a free reshape: one code path for 4-D and 5-D pages
+    dtype = jnp.dtype(leaf.dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+        leaf = jax.lax.bitcast_convert_type(leaf, jnp.dtype(f"uint{8 * dtype.itemsize}"))
+    nd = block_ids.ndim
+    _, hkv, _, bs, f = leaf.shape
+    coords = jnp.stack(
+        [jnp.broadcast_to(jnp.asarray(layer, jnp.int32), block_ids.shape), block_ids.astype(jnp.int32)], axis=-1
+    )
+    dnums = jax.lax.GatherDimensionNumbers(
+        offset_dims=(0, nd + 1, nd + 2), collapsed_slice_dims=(0, 2), start_index_map=(0, 2)
+    )
+    out = jax.lax.gather(leaf, coords, dnums, slice_sizes=(1, hkv, 1, bs, f), mode=jax.lax.GatherScatterMode.CLIP)
+    return jax.lax.bitcast_convert_type(out, dtype) if out.dtype != dtype else out
 
 
-def paged_chunk_attention(
+def paged_attention(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    pages,
     block_tables: jax.Array,
     lengths: jax.Array,
     q_lens: jax.Array,
     *,
+    layer: int | jax.Array | None = None,
     scale: float | None = None,
-    layer: int | None = None,
 ) -> jax.Array:
-    """Causal attention of a chunk of new tokens over a paged KV cache (prefill).
+    """The oracle: every table column of every row gathered, then masked fp32 attention.
 
-    Args:
-      q: [B, T, Hq, D] queries of up to T new tokens per sequence.
-      k_pages, v_pages: [Hkv, N, bs, D] one layer's pages, the chunk already written; or
-        every layer's [L, Hkv, N, bs, D] with ``layer`` choosing one (``select_layer``).
-      block_tables: int32[B, P] physical block of each logical block; -1 past the end.
-      lengths: int32[B] KV length including the chunk; lengths[b] <= P * bs.
-      q_lens: int32[B] real queries per row (<= T, <= lengths).
-
-    Returns [B, T, Hq, D] in q.dtype; rows ``t >= q_lens[b]`` are 0.
+    Arguments and result as in ``contract`` (q [B, T, Hq, D]; pages a KVPages with leaves
+    [L, Hkv, N, bs, D] and ``layer``, or [Hkv, N, bs, D]; int32 block_tables [B, P],
+    lengths and q_lens [B]) -> [B, T, Hq, D] in q.dtype. Costs ``B x P`` blocks whatever
+    the rows hold; simple enough to trust, which is its job.
     """
-    k = gather_pages(select_layer(k_pages, layer), block_tables)
-    v = gather_pages(select_layer(v_pages, layer), block_tables)
-    return _attend(q, k, v, lengths, q_lens, scale)
+    contract.check(q, pages, block_tables, lengths, q_lens, layer)
+    b, p = block_tables.shape
 
+    def rows(leaf):  # [B, Hkv, P * bs, D], head-major like the pages
+        g = jnp.swapaxes(gather_blocks(leaf, block_tables, layer), 0, 1)  # [B, Hkv, P, bs, D]
+        return g.reshape(b, g.shape[1], p * g.shape[3], g.shape[4])
 
-def paged_decode_attention(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    block_tables: jax.Array,
-    lengths: jax.Array,
-    *,
-    scale: float | None = None,
-    layer: int | None = None,
-) -> jax.Array:
-    """One new token per sequence attending to its whole paged KV cache (decode).
-
-    Args:
-      q: [B, Hq, D]. k_pages, v_pages: [Hkv, N, bs, D] (or 5-D with ``layer``, as for
-        ``paged_chunk_attention``). block_tables: int32[B, P].
-      lengths: int32[B] KV length including the new token; 0 = padding row.
-
-    Returns [B, Hq, D] in q.dtype; 0 for rows of length 0.
-    """
-    q_lens = (lengths > 0).astype(jnp.int32)
-    out = paged_chunk_attention(
-        q[:, None], k_pages, v_pages, block_tables, lengths, q_lens, scale=scale, layer=layer
-    )
-    return out[:, 0]
+    return _attend(q, rows(pages.k), rows(pages.v), lengths, q_lens, scale)
 
 
 def dense_causal_attention(
@@ -178,7 +145,7 @@ def dense_causal_attention(
 
     With the defaults this is ordinary causal self-attention of T tokens over S >= T
     keys, the queries being the last T positions. ``lengths``/``q_lens`` (int32[B])
-    follow the module conventions, for a contiguous cache ``[B, max_len]`` holding
+    follow the conventions of ``contract``, for a contiguous cache ``[B, max_len]`` holding
     ``lengths[b]`` valid keys.
 
     Args:

@@ -1,7 +1,12 @@
-"""The block manager: pure, jittable, no model knowledge (seed M1, M2, M4, M6, M9)."""
+"""The block manager: pure, jittable, no model knowledge.
 
-# State and its sentinels.
-# Checks.
+Block tables map each sequence's logical blocks to physical ones; reference counts let
+forked sequences share blocks (copy-on-write on append); an allocation policy owns the
+free pool. Every op is a pure function returning a new state and a status array.
+"""
+
+# The host-side view for scheduling decisions, and the invariant checks.
+from paged_jax.cache.host_view import HostView, Snapshot, host_view, snapshot
 from paged_jax.cache.invariants import InvariantError, check_invariants
 
 # Operations: each returns (new state, ...) plus a status array; atomic.
@@ -9,13 +14,12 @@ from paged_jax.cache.ops import (
     AppendResult,
     append_slots,
     blocks_needed,
-    debug_checks_enabled,
     fork,
     num_free_blocks,
     open_sequences,
     release,
+    restore_rows,
     select_parents,
-    set_debug_checks,
     truncate,
 )
 
@@ -29,12 +33,25 @@ from paged_jax.cache.policies import (
     lowest_id_first,
     random,
 )
-from paged_jax.cache.state import CacheOpError, CacheState, Status, init_state, raise_for_status
+
+# Sentinels, state, status codes and the debug switch.
+from paged_jax.cache.sentinels import NO_BLOCK, NO_SEQ, NO_SLOT
+from paged_jax.cache.state import (
+    CacheOpError,
+    CacheState,
+    Status,
+    init_state,
+    raise_for_status,
+    set_debug_checks,
+    with_debug_checks,
+)
 
 __all__ = [
-    "AllocationPolicy", "AppendResult", "CacheOpError", "CacheState", "InvariantError",
-    "POLICIES", "Status", "append_slots", "blocks_needed", "check_invariants",
-    "debug_checks_enabled", "fifo", "fork", "get_policy", "init_state", "lifo",
+    "NO_BLOCK", "NO_SEQ", "NO_SLOT",
+    "AllocationPolicy", "AppendResult", "CacheOpError", "CacheState", "HostView", "InvariantError",
+    "POLICIES", "Snapshot", "Status", "append_slots", "blocks_needed", "check_invariants",
+    "fifo", "fork", "get_policy", "host_view", "init_state", "lifo",
     "lowest_id_first", "num_free_blocks", "open_sequences", "raise_for_status", "random",
-    "release", "select_parents", "set_debug_checks", "truncate",
+    "release", "restore_rows", "select_parents", "set_debug_checks", "snapshot", "truncate",
+    "with_debug_checks",
 ]

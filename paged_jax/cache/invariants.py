@@ -1,10 +1,12 @@
-"""Host-side invariant checker (seed M9): slow, exhaustive, for tests and debugging."""
+"""Host-side invariant checker: slow, exhaustive, for tests and debugging."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from paged_jax.cache.sentinels import NO_BLOCK
 from paged_jax.cache.state import CacheState
+from paged_jax.config import blocks_for
 
 
 class InvariantError(AssertionError):
@@ -56,17 +58,17 @@ def check_invariants(state: CacheState, *, op: str | None = None) -> None:
     if int((counts > 0).sum()) + free.size != n:
         _fail(op, "allocated + free == num_blocks", f"{int((counts > 0).sum())} + {free.size} != {n}", [])
 
-    dead = np.flatnonzero(~active & ((lens != 0) | (tables != CacheState.NO_BLOCK).any(axis=1)))
+    dead = np.flatnonzero(~active & ((lens != 0) | (tables != NO_BLOCK).any(axis=1)))
     if dead.size:
         _fail(op, "inactive rows are empty", "inactive rows with a length or blocks", dead)
     if (lens < 0).any() or (lens > width * bs).any():
         _fail(op, "0 <= length <= max_blocks_per_seq * block_size", "bad lengths", np.flatnonzero((lens < 0) | (lens > width * bs)))
-    need = -(-lens // bs)
+    need = blocks_for(lens, bs)
     held = np.arange(width)[None, :] < need[:, None]
     wrong = np.flatnonzero(active & ((held & ((tables < 0) | (tables >= n))).any(axis=1)))
     if wrong.size:
         _fail(op, "lengths consistent with table rows", "a needed entry is NO_BLOCK or out of range", wrong)
-    wrong = np.flatnonzero((~held & (tables != CacheState.NO_BLOCK)).any(axis=1))
+    wrong = np.flatnonzero((~held & (tables != NO_BLOCK)).any(axis=1))
     if wrong.size:
         _fail(op, "lengths consistent with table rows", "entries past the length name a block", wrong)
 

@@ -6,59 +6,68 @@ padding and ignored) and returns the new state plus an ``int32[batch]`` status
 returned state is the input state, bit for bit. Nothing raises under jit; check the status
 on the host (``raise_for_status``).
 
-Cost per call is O(batch x max_blocks_per_seq) (plus O(batch^2) small comparisons and
-O(max_seqs) for duplicate detection), never O(num_blocks): every pool-sized array is only
-gathered from or scattered into at the touched entries, so with the state donated XLA
-updates it in place. Scatters that must not happen are sent out of bounds and dropped
-rather than selected with ``jnp.where`` over the whole array.
+Batched = sequential. Every entry of a batch is validated against the state *before*
+the call, then the valid batch is applied as if its entries ran one after another in
+batch order. So ``open_sequences([2, 2])`` on a free row 2 is ``DUPLICATE_SEQ`` for both
+entries (not OK and then ``ACTIVE_SEQ``), and ``fork`` cannot fork from a child made
+earlier in the same call (that parent is not live before the call: ``INACTIVE_SEQ``).
+What the order decides is which blocks go where: blocks are taken from the pool in
+batch order; when several rows of one ``append_slots`` share a partly filled block, all
+copy except the last, which keeps it if nobody else holds it; blocks freed together
+enter the pool in the order their last reference goes. Each entry's status is its first
+problem in this order: id (INVALID_SEQ_ID, INACTIVE_SEQ / ACTIVE_SEQ, DUPLICATE_SEQ; for
+a pair of ids, the first id's problem, then the second's), count (BAD_NUM_TOKENS), table
+(TABLE_FULL, BAD_TABLE); then, only when every entry passed those, the checks of the
+batch as a whole (``restore_rows``' group) and NO_FREE_BLOCKS on the entries that need a
+block. The pure-Python reference (``reference.py``) implements exactly this, and the
+stateful tests compare the two.
+
+The arguments are checked at the Python boundary (``_int32_args``), at trace time since
+shapes and dtypes are static: a wrong rank or mismatched batch lengths raise
+``ValueError``, a bool or non-integer dtype ``TypeError``, and concrete (non-traced)
+values outside int32 ``ValueError``, so no input wraps, truncates or broadcasts into a
+different request. No op's arithmetic overflows int32 for any int32 input.
+
+Cost per call is O(batch x max_blocks_per_seq) (plus O(batch^2) small comparisons,
+O(max_seqs) for duplicate detection and a sort of the touched entries where stated),
+never O(num_blocks): every pool-sized array is only gathered from or scattered into at
+the touched entries, so with the state donated XLA updates it in place. Scatters that
+must not happen are sent out of bounds and dropped rather than selected with
+``jnp.where`` over the whole array.
 """
 
 from __future__ import annotations
 
 import functools
-import os
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from paged_jax.cache.sentinels import NO_BLOCK, NO_SEQ, NO_SLOT
 from paged_jax.cache.state import CacheState, Status
+from paged_jax.config import blocks_for
 
-NO_BLOCK = CacheState.NO_BLOCK
-NO_SEQ = CacheState.NO_SEQ
-NO_SLOT = CacheState.NO_SLOT
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
-# --------------------------------------------------------------------------- debug switch
-
-_DEBUG = os.environ.get("PAGED_JAX_CHECK_INVARIANTS", "") not in ("", "0")
-
-
-def set_debug_checks(enabled: bool) -> bool:
-    """Run ``check_invariants`` after every op (seed M9). Returns the previous setting.
-
-    Eager calls check on the spot; calls traced under jit check through a host callback,
-    which syncs the device: a debugging aid, never for measurement.
-    """
-    global _DEBUG
-    previous, _DEBUG = _DEBUG, bool(enabled)
-    return previous
-
-
-def debug_checks_enabled() -> bool:
-    return _DEBUG
+# --------------------------------------------------------------------------- debug checks
 
 
 def _checked(op):
+    """Run ``check_invariants`` on the new state when the input state has ``debug`` on:
+    on the spot for concrete states, through a host callback when traced."""
+
     @functools.wraps(op)
     def wrapper(state, *args, **kwargs):
         out = op(state, *args, **kwargs)
-        if _DEBUG:
+        if state.debug:
             from paged_jax.cache.invariants import check_invariants
 
-            new_state = out[0] if isinstance(out, tuple) else out
-            leaves = jax.tree.leaves(new_state)
+            new_state = out[0]
+            leaves, treedef = jax.tree.flatten(new_state)
             if any(isinstance(x, jax.core.Tracer) for x in leaves):
-                treedef = jax.tree.structure(new_state)
                 jax.debug.callback(
                     lambda *xs: check_invariants(jax.tree.unflatten(treedef, xs), op=op.__name__),
                     *leaves,
@@ -70,10 +79,76 @@ def _checked(op):
     return wrapper
 
 
+# --------------------------------------------------------------------------- argument checks
+
+
+def _as_int_array(op: str, name: str, value: Any):
+    """``value`` as an array (a tracer stays a tracer), refusing non-integer dtypes."""
+    if not isinstance(value, jax.Array | np.ndarray | np.generic):
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(value)):
+            value = jnp.asarray(value)  # a Python list of traced scalars (jit of a list)
+        else:
+            value = np.asarray(value)
+            if value.size == 0 and value.dtype == np.float64:
+                value = value.astype(np.int32)  # ``[]`` carries no dtype of its own
+    dtype = np.dtype(value.dtype)
+    if dtype == np.bool_ or not np.issubdtype(dtype, np.integer):
+        raise TypeError(
+            f"{op}: {name} has dtype {dtype}; it must be an integer dtype such as int32 "
+            "(a bool would be read as 0/1 and a float truncated)"
+        )
+    return value
+
+
+def _int32_args(op: str, *specs: tuple[str, Any, int], xp=jnp) -> list:
+    """Check an op's integer arguments and return them as int32 arrays (``xp`` arrays;
+    tracers stay tracers).
+
+    specs: ``(name, value, rank)`` per argument. Every argument of rank >= 1 has the
+    batch as its first axis, so their first dimensions must agree. Raises TypeError for
+    a non-integer dtype (or a traced dtype wider than int32, whose values cannot be
+    checked under jit), ValueError for a wrong rank, mismatched batch lengths, or
+    concrete values outside int32. Only static facts and concrete values are inspected:
+    nothing is added to a trace.
+    """
+    arrays = [_as_int_array(op, name, value) for name, value, _ in specs]
+    for (name, _, rank), a in zip(specs, arrays):
+        if a.ndim != rank:
+            raise ValueError(f"{op}: {name} has shape {tuple(a.shape)}; it must have rank {rank}")
+    batched = [(name, a) for (name, _, rank), a in zip(specs, arrays) if rank >= 1]
+    for name, a in batched[1:]:
+        if a.shape[0] != batched[0][1].shape[0]:
+            raise ValueError(
+                f"{op}: {batched[0][0]} has shape {tuple(batched[0][1].shape)} but {name} has "
+                f"shape {tuple(a.shape)}; their first dimension (the batch) must match"
+            )
+    out = []
+    for (name, _, _), a in zip(specs, arrays):
+        dtype = np.dtype(a.dtype)
+        if not np.can_cast(dtype, np.int32, casting="safe"):
+            if isinstance(a, jax.core.Tracer):
+                raise TypeError(
+                    f"{op}: {name} is traced with dtype {dtype}, whose values cannot be "
+                    "checked under jit; pass int32"
+                )
+            host = np.asarray(a)
+            if host.size and (host.min() < _INT32_MIN or host.max() > _INT32_MAX):
+                bad = host[(host < _INT32_MIN) | (host > _INT32_MAX)].ravel()[:4].tolist()
+                raise ValueError(f"{op}: {name} holds values outside int32, e.g. {bad}")
+        out.append(a.astype(jnp.int32) if isinstance(a, jax.core.Tracer) else xp.asarray(a, dtype=xp.int32))
+    return out
+
+
+def _static_int(op: str, name: str, value: Any, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or not lo <= value <= _INT32_MAX:
+        raise ValueError(f"{op}: {name}={value!r}; it must be a static Python int in [{lo}, {_INT32_MAX}]")
+    return int(value)
+
+
 # --------------------------------------------------------------------------- helpers
 
 
-def _validate_ids(
+def _id_status(
     state: CacheState, seq_ids: jax.Array, *, want_active: bool | None, unique: bool
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Returns (status int32[B], is_real bool[B], safe_ids int32[B] clipped for gathers)."""
@@ -156,44 +231,93 @@ def num_free_blocks(state: CacheState) -> jax.Array:
 
 
 class _AppendPlan(NamedTuple):
-    safe: jax.Array  # int32[B] row ids, clipped
-    old_len: jax.Array  # int32[B]
-    old_blocks: jax.Array  # int32[B] blocks held now
-    new_blocks: jax.Array  # int32[B] blocks held after the append
-    last_block: jax.Array  # int32[B] block the first new token lands in if partly filled, else NO_BLOCK
-    cow: jax.Array  # bool[B] that block is shared: write into a private copy
+    """What an append of ``num_tokens`` to each row would do; int32/bool ``[B]`` arrays."""
+
+    safe: Any  # int32[B] row ids, 0 where not real
+    old_len: Any  # int32[B]
+    old_blocks: Any  # int32[B] blocks held now
+    grow: Any  # int32[B] fresh blocks the append adds (not counting a copy-on-write target)
+    last_block: Any  # int32[B] block the first new token lands in if partly filled, else NO_BLOCK
+    cow: Any  # bool[B] that block is shared: write into a private copy
 
 
-def _plan_append(state: CacheState, seq_ids: jax.Array, num_tokens: jax.Array, real: jax.Array) -> _AppendPlan:
-    bs = state.block_size
-    safe = jnp.where(real, seq_ids, 0)
-    old_len = jnp.where(real, state.seq_lens[safe], 0)
-    n = jnp.where(real, jnp.maximum(num_tokens, 0), 0)
-    old_blocks = (old_len + bs - 1) // bs
-    new_blocks = (old_len + n + bs - 1) // bs
-    partial = real & (old_len % bs != 0) & (n > 0)
-    col = jnp.clip(old_len // bs, 0, state.max_blocks_per_seq - 1)
-    last_block = jnp.where(partial, state.block_tables[safe, col], NO_BLOCK)
-    count = state.ref_counts[jnp.clip(last_block, 0, state.num_blocks - 1)]
+def _plan_append(
+    xp,
+    *,
+    block_size: int,
+    seq_lens,
+    block_tables,
+    count_at: Callable,
+    seq_ids,
+    num_tokens,
+    real,
+) -> _AppendPlan:
+    """The append arithmetic, once, over an array namespace: ``jax.numpy`` in the jitted
+    ops, ``numpy`` in ``host_view`` (which must agree with them exactly).
+
+    seq_lens: int32[S]; block_tables: int32[S, P]; seq_ids, num_tokens: int32[B];
+    real: bool[B] (id in range). ``count_at(rows, cols) -> int[B]``: the ref count of the
+    block at ``block_tables[rows, cols]`` (the device reads ``ref_counts``, the host view
+    its per-entry copy). Negative counts plan as 0. O(B^2) compares, B is small.
+    """
+    bs = block_size
+    safe = xp.where(real, seq_ids, 0)
+    old_len = xp.where(real, seq_lens[safe], 0)
+    n = xp.where(real, xp.maximum(num_tokens, 0), 0)
+    rem = old_len % bs
+    old_blocks = blocks_for(old_len, bs)
+    # ceil((old_len + n) / bs) - old_blocks, without forming old_len + n (int32 overflow).
+    grow = n // bs + blocks_for(rem + n % bs, bs) - (rem != 0)
+    partial = real & (rem != 0) & (n > 0)
+    col = xp.clip(old_len // bs, 0, block_tables.shape[1] - 1)
+    last_block = xp.where(partial, block_tables[safe, col], NO_BLOCK)
+    count = count_at(safe, col)
     shared = partial & (count > 1)
     # Several rows of this batch may share one partly filled block (forked beams). As if
     # they appended one after another: all copy except the last, which keeps the block
-    # when no row outside the batch still holds it. O(B^2) compares, B is small.
+    # when no row outside the batch still holds it.
     same = shared[:, None] & shared[None, :] & (last_block[:, None] == last_block[None, :])
     members = same.sum(axis=1)
-    later = jnp.triu(same, k=1).any(axis=1)
+    later = xp.triu(same, k=1).any(axis=1)
     keeps = shared & ~later & (count == members)
-    return _AppendPlan(safe, old_len, old_blocks, new_blocks, last_block, shared & ~keeps)
+    return _AppendPlan(
+        safe.astype(xp.int32),
+        old_len.astype(xp.int32),
+        old_blocks.astype(xp.int32),
+        grow.astype(xp.int32),
+        last_block.astype(xp.int32),
+        shared & ~keeps,
+    )
+
+
+def _device_plan(state: CacheState, seq_ids, num_tokens, real) -> _AppendPlan:
+    n = state.num_blocks
+    return _plan_append(
+        jnp,
+        block_size=state.block_size,
+        seq_lens=state.seq_lens,
+        block_tables=state.block_tables,
+        count_at=lambda rows, cols: state.ref_counts[jnp.clip(state.block_tables[rows, cols], 0, n - 1)],
+        seq_ids=seq_ids,
+        num_tokens=num_tokens,
+        real=real,
+    )
 
 
 def blocks_needed(state: CacheState, seq_ids: jax.Array, num_tokens: jax.Array) -> jax.Array:
     """int32[B]: blocks ``append_slots`` would take for these appends (new + copy-on-write).
 
     Assumes the batch is appended together in one call, as ``append_slots`` would.
+    Exact for every int32 count (no overflow: at most 2**31 - 1). Padding and
+    out-of-range ids need 0; a row that is not live counts as empty (what it will need
+    once opened); a negative count needs 0.
+
+    seq_ids, num_tokens: int32[B].
     """
+    seq_ids, num_tokens = _int32_args("blocks_needed", ("seq_ids", seq_ids, 1), ("num_tokens", num_tokens, 1))
     real = (seq_ids >= 0) & (seq_ids < state.max_seqs)
-    plan = _plan_append(state, seq_ids, num_tokens, real)
-    return (plan.new_blocks - plan.old_blocks + plan.cow).astype(jnp.int32)
+    plan = _device_plan(state, seq_ids, num_tokens, real)
+    return (plan.grow + plan.cow).astype(jnp.int32)
 
 
 # --------------------------------------------------------------------------- ops
@@ -205,7 +329,8 @@ def open_sequences(state: CacheState, seq_ids: jax.Array) -> tuple[CacheState, j
 
     seq_ids: int32[B] rows that must be inactive and distinct. Returns (state, status).
     """
-    status, real, safe = _validate_ids(state, seq_ids, want_active=False, unique=True)
+    (seq_ids,) = _int32_args("open_sequences", ("seq_ids", seq_ids, 1))
+    status, real, safe = _id_status(state, seq_ids, want_active=False, unique=True)
     apply = jnp.all(status == Status.OK)
     rows = _rows_or_drop(state, safe, real & apply)
     return state.replace(
@@ -227,7 +352,7 @@ class AppendResult(NamedTuple):
 def append_slots(
     state: CacheState, seq_ids: jax.Array, num_tokens: jax.Array, *, max_tokens: int = 1
 ) -> tuple[CacheState, AppendResult]:
-    """Grow each sequence by ``num_tokens`` tokens (seed M4, M6).
+    """Grow each sequence by ``num_tokens`` tokens.
 
     A new block is taken only when the last one is full. If the partly filled last block
     is shared (ref count > 1) the sequence gets a private copy first: its id pair is
@@ -237,19 +362,21 @@ def append_slots(
 
     Args:
       seq_ids: int32[B] live, distinct rows (NO_SEQ = padding).
-      num_tokens: int32[B] in [0, max_tokens].
-      max_tokens: static bound on num_tokens; sizes the slot mapping.
+      num_tokens: int32[B] in [0, max_tokens] (else BAD_NUM_TOKENS).
+      max_tokens: static bound on num_tokens in [1, 2**31 - 1]; sizes the slot mapping.
     """
+    seq_ids, num_tokens = _int32_args("append_slots", ("seq_ids", seq_ids, 1), ("num_tokens", num_tokens, 1))
+    max_tokens = _static_int("append_slots", "max_tokens", max_tokens, 1)
     bs = state.block_size
-    status, real, safe = _validate_ids(state, seq_ids, want_active=True, unique=True)
+    status, real, safe = _id_status(state, seq_ids, want_active=True, unique=True)
     status = _first(status, Status.BAD_NUM_TOKENS, real & ((num_tokens < 0) | (num_tokens > max_tokens)))
-    plan = _plan_append(state, seq_ids, num_tokens, real)
-    status = _first(status, Status.TABLE_FULL, real & (plan.new_blocks > state.max_blocks_per_seq))
+    plan = _device_plan(state, seq_ids, num_tokens, real)
+    status = _first(status, Status.TABLE_FULL, real & (plan.grow > state.max_blocks_per_seq - plan.old_blocks))
     valid = jnp.all(status == Status.OK)
 
-    k_new = -(-max_tokens // bs)  # fresh blocks one append can need (see _plan_append)
+    k_new = blocks_for(max_tokens, bs)  # fresh blocks one append can need (see _plan_append)
     cols = jnp.arange(k_new, dtype=jnp.int32)
-    want_new = cols[None, :] < (plan.new_blocks - plan.old_blocks)[:, None]
+    want_new = cols[None, :] < plan.grow[:, None]
     want = jnp.concatenate([plan.cow[:, None], want_new], axis=1) & valid  # [B, 1 + k_new]
     pool, ids, ok = state.policy.allocate(state.pool, want.reshape(-1))
     ids = ids.reshape(want.shape)
@@ -270,9 +397,10 @@ def append_slots(
     n = jnp.where(real & apply, num_tokens, 0)
     seq_lens = state.seq_lens.at[_rows_or_drop(state, safe, real & apply)].add(n, mode="drop")
 
-    # Slot of every new token, read through the updated row.
+    # Slot of every new token, read through the updated row. Positions past a row's
+    # count are clamped to its end so that nothing is formed beyond the table's reach.
     t = jnp.arange(max_tokens, dtype=jnp.int32)
-    pos = plan.old_len[:, None] + t[None, :]
+    pos = plan.old_len[:, None] + jnp.minimum(t[None, :], n[:, None])
     has_token = t[None, :] < n[:, None]
     phys = block_tables[safe[:, None], jnp.clip(pos // bs, 0, state.max_blocks_per_seq - 1)]
     slot_mapping = jnp.where(has_token, phys * bs + pos % bs, NO_SLOT)
@@ -289,15 +417,16 @@ def append_slots(
 
 @_checked
 def fork(state: CacheState, parent_ids: jax.Array, child_ids: jax.Array) -> tuple[CacheState, jax.Array]:
-    """Children share their parents' blocks (seed M6): table row and length are copied
-    and every referenced block's count goes up once per child.
+    """Children share their parents' blocks: table row and length are copied and every
+    referenced block's count goes up once per child.
 
     parent_ids: int32[B] live rows (may repeat: several children of one parent).
     child_ids: int32[B] inactive, distinct rows. A padding pair is (NO_SEQ, NO_SEQ).
     Returns (state, status); status reports the pair's first problem.
     """
-    p_status, p_real, p_safe = _validate_ids(state, parent_ids, want_active=True, unique=False)
-    c_status, c_real, c_safe = _validate_ids(state, child_ids, want_active=False, unique=True)
+    parent_ids, child_ids = _int32_args("fork", ("parent_ids", parent_ids, 1), ("child_ids", child_ids, 1))
+    p_status, p_real, p_safe = _id_status(state, parent_ids, want_active=True, unique=False)
+    c_status, c_real, c_safe = _id_status(state, child_ids, want_active=False, unique=True)
     status = jnp.where(p_status != Status.OK, p_status, c_status)
     status = _first(status, Status.INVALID_SEQ_ID, p_real != c_real)  # half-padded pair
     apply = jnp.all(status == Status.OK)
@@ -316,10 +445,12 @@ def fork(state: CacheState, parent_ids: jax.Array, child_ids: jax.Array) -> tupl
 @_checked
 def release(state: CacheState, seq_ids: jax.Array) -> tuple[CacheState, jax.Array]:
     """End sequences: every block loses a reference; blocks that reach 0, the last partly
-    filled one included (seed §7.1), return to the pool in (batch, logical) order.
+    filled one included, return to the pool in (batch, logical) order.
 
-    seq_ids: int32[B] live, distinct rows. Returns (state, status).
+    seq_ids: int32[B] live, distinct rows. Returns (state, status). Sorts the B x
+    max_blocks_per_seq touched entries (see ``_change_counts``).
     """
+    (seq_ids,) = _int32_args("release", ("seq_ids", seq_ids, 1))
     return _shrink(state, seq_ids, jnp.zeros_like(seq_ids), deactivate=True)
 
 
@@ -328,20 +459,21 @@ def truncate(state: CacheState, seq_ids: jax.Array, new_lens: jax.Array) -> tupl
     """Shorten sequences to ``new_lens`` tokens, releasing blocks past the new end (for
     rolling back rejected speculative tokens). Rows stay live.
 
-    seq_ids: int32[B] live, distinct rows. new_lens: int32[B] in [0, current length].
+    seq_ids: int32[B] live, distinct rows. new_lens: int32[B] in [0, current length]
+    (else BAD_NUM_TOKENS). Returns (state, status).
     """
+    seq_ids, new_lens = _int32_args("truncate", ("seq_ids", seq_ids, 1), ("new_lens", new_lens, 1))
     return _shrink(state, seq_ids, new_lens, deactivate=False)
 
 
 def _shrink(state, seq_ids, new_lens, *, deactivate):
-    bs = state.block_size
-    status, real, safe = _validate_ids(state, seq_ids, want_active=True, unique=True)
+    status, real, safe = _id_status(state, seq_ids, want_active=True, unique=True)
     old_len = state.seq_lens[safe]
     status = _first(status, Status.BAD_NUM_TOKENS, real & ((new_lens < 0) | (new_lens > old_len)))
     apply = jnp.all(status == Status.OK)
     do = real & apply
     rows = state.block_tables[safe]  # [B, max_blocks_per_seq]
-    keep = jnp.arange(state.max_blocks_per_seq)[None, :] < ((new_lens + bs - 1) // bs)[:, None]
+    keep = jnp.arange(state.max_blocks_per_seq)[None, :] < blocks_for(new_lens, state.block_size)[:, None]
     drop = do[:, None] & ~keep & (rows != NO_BLOCK)
     none = jnp.zeros((0,), jnp.int32)
     ref_counts, pool = _change_counts(state, none, none.astype(bool), rows.reshape(-1), drop.reshape(-1))
@@ -370,8 +502,9 @@ def select_parents(
     seq_ids: int32[B] distinct rows, live or not (a dead row becomes live).
     parent_ids: int32[B] live rows (may repeat). Returns (state, status).
     """
-    d_status, d_real, d_safe = _validate_ids(state, seq_ids, want_active=None, unique=True)
-    p_status, p_real, p_safe = _validate_ids(state, parent_ids, want_active=True, unique=False)
+    seq_ids, parent_ids = _int32_args("select_parents", ("seq_ids", seq_ids, 1), ("parent_ids", parent_ids, 1))
+    d_status, d_real, d_safe = _id_status(state, seq_ids, want_active=None, unique=True)
+    p_status, p_real, p_safe = _id_status(state, parent_ids, want_active=True, unique=False)
     status = jnp.where(d_status != Status.OK, d_status, p_status)
     status = _first(status, Status.INVALID_SEQ_ID, d_real != p_real)
     apply = jnp.all(status == Status.OK)
@@ -389,3 +522,101 @@ def select_parents(
         ref_counts=ref_counts,
         pool=pool,
     ), status
+
+
+@_checked
+def restore_rows(
+    state: CacheState,
+    seq_ids: jax.Array,
+    seq_lens: jax.Array,
+    local_tables: jax.Array,
+    num_local: jax.Array,
+    *,
+    max_local: int,
+) -> tuple[CacheState, jax.Array, jax.Array]:
+    """Rebuild a group of rows whose blocks may be shared among them (swap-in of forked
+    beams): fresh blocks for the group, the sharing inside the group preserved.
+
+    The rows' tables name ``num_local`` "local" blocks by index ``0 .. num_local - 1``;
+    several rows may name the same local block. The op takes ``num_local`` fresh blocks
+    from the pool (all or nothing, in local-id order), maps local id ``i`` to ``ids[i]``,
+    writes each row's table and length, makes the rows live, and gives each new block a
+    ref count equal to the number of entries naming it. The caller then writes the
+    saved data of local block ``i`` into physical block ``ids[i]``.
+
+    Args:
+      seq_ids: int32[B] inactive, distinct rows (NO_SEQ = padding: its length and table
+        are ignored).
+      seq_lens: int32[B] in [0, P * block_size] (else BAD_NUM_TOKENS).
+      local_tables: int32[B, P], P <= max_blocks_per_seq: a row's first
+        ceil(len / block_size) entries are distinct local ids in [0, num_local), the
+        rest NO_BLOCK (else BAD_TABLE).
+      num_local: int32[] in [0, max_local]; every local id below it must be named by some
+        row, or its block would leak. A defect of the group as a whole (num_local out of
+        range, or a local id no row names) is checked once every entry passed its own
+        checks, and is then BAD_TABLE on every entry, padding included, since no single
+        row is at fault.
+      max_local: static M >= 1; sizes ``ids``.
+
+    Returns (state, ids int32[M] (local id -> physical block; NO_BLOCK past num_local
+    or when rejected), status int32[B]). NO_FREE_BLOCKS (on the rows that hold a block)
+    when the pool has fewer than num_local free blocks. Cost O(B x P log P + M): each
+    row's entries are sorted to find a repeat; pool-sized arrays are touched at M
+    entries.
+    """
+    op = "restore_rows"
+    seq_ids, seq_lens, local_tables, num_local = _int32_args(
+        op, ("seq_ids", seq_ids, 1), ("seq_lens", seq_lens, 1), ("local_tables", local_tables, 2),
+        ("num_local", num_local, 0),
+    )
+    m = _static_int(op, "max_local", max_local, 1)
+    p = local_tables.shape[1]
+    if p > state.max_blocks_per_seq:
+        raise ValueError(
+            f"{op}: local_tables has shape {tuple(local_tables.shape)}; its width must be at most "
+            f"max_blocks_per_seq={state.max_blocks_per_seq}"
+        )
+    bs = state.block_size
+    status, real, safe = _id_status(state, seq_ids, want_active=False, unique=True)
+    status = _first(status, Status.BAD_NUM_TOKENS, real & ((seq_lens < 0) | (seq_lens > p * bs)))
+
+    need = blocks_for(jnp.clip(seq_lens, 0, p * bs), bs)  # [B]
+    cols = jnp.arange(p, dtype=jnp.int32)
+    held = cols[None, :] < need[:, None]  # [B, P]
+    named = (local_tables >= 0) & (local_tables < num_local)
+    row_bad = jnp.any(held & ~named, axis=1) | jnp.any(~held & (local_tables != NO_BLOCK), axis=1)
+    # A row naming one block twice would hold it twice: sort each row's named entries
+    # (the others get distinct negative keys) and compare neighbours.
+    keyed = jnp.sort(jnp.where(held & named, local_tables, -1 - cols[None, :]), axis=1)
+    row_bad = row_bad | jnp.any(keyed[:, 1:] == keyed[:, :-1], axis=1)
+    status = _first(status, Status.BAD_TABLE, real & row_bad)
+
+    local = jnp.arange(m, dtype=jnp.int32)
+    entry = real[:, None] & held & (local_tables >= 0) & (local_tables < m)
+    counts = jnp.zeros((m,), jnp.int32).at[jnp.where(entry, local_tables, m)].add(1, mode="drop")
+    wanted = local < num_local
+    group_bad = (num_local < 0) | (num_local > m) | jnp.any(wanted & (counts == 0))
+    # Checked only once every row passed its own checks: a rejected row's entries
+    # would otherwise show up again as unnamed local ids on the rows that are fine.
+    status = _first(status, Status.BAD_TABLE, group_bad & jnp.all(status == Status.OK))
+    valid = jnp.all(status == Status.OK)
+
+    pool, ids, ok = state.policy.allocate(state.pool, wanted & valid)
+    status = _first(status, Status.NO_FREE_BLOCKS, ~ok & real & (need > 0))
+    apply = valid & ok
+    ids = jnp.where(wanted & apply, ids, NO_BLOCK).astype(jnp.int32)
+
+    do = real & apply
+    phys = jnp.where(held, ids[jnp.clip(local_tables, 0, m - 1)], NO_BLOCK)
+    phys = jnp.pad(phys, ((0, 0), (0, state.max_blocks_per_seq - p)), constant_values=NO_BLOCK)
+    dst = _rows_or_drop(state, safe, do)
+    # The new blocks were free (count 0), so setting their counts is adding them.
+    ref_counts = state.ref_counts.at[jnp.where(wanted & apply, ids, state.num_blocks)].set(counts, mode="drop")
+    new_state = state.replace(
+        block_tables=state.block_tables.at[dst].set(phys, mode="drop"),
+        seq_lens=state.seq_lens.at[dst].set(seq_lens, mode="drop"),
+        active=state.active.at[dst].set(True, mode="drop"),
+        ref_counts=ref_counts,
+        pool=pool,
+    )
+    return new_state, ids, status

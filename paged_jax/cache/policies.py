@@ -12,7 +12,8 @@ the representation of the free pool; the ops never look inside it. Contract:
   Each id must be distinct and currently allocated (the ops guarantee it).
 - ``num_free(pool) -> int32[]``.
 - ``free_blocks(pool) -> np.ndarray`` (host only): free ids, in the order upcoming
-  allocations would take them where the policy is deterministic.
+  allocations would take them where the policy is deterministic, sorted where it is not
+  (``deterministic=False``: the reference then follows the ids the device hands out).
 
 Cost of allocate/release is O(N) in the request size for every policy except
 ``lowest_id_first``, which says so.
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-NO_BLOCK = -1
+from paged_jax.cache.sentinels import NO_BLOCK
 
 
 class AllocationPolicy(NamedTuple):
@@ -88,7 +89,8 @@ def _num_free(pool) -> jax.Array:
 
 @functools.cache
 def lifo() -> AllocationPolicy:
-    """Most recently freed block first (a stack): the seed's locality advice (M4).
+    """Most recently freed block first (a stack): the block reused next is the one most
+    recently touched, which is the best bet for locality.
 
     O(request) per call. The default policy.
     """

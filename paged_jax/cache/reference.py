@@ -1,40 +1,51 @@
 """A pure-Python block manager: lists and dicts, one sequence at a time, obviously correct.
 
 The test oracle for ``ops.py``. Each method takes the same batch arguments as the jitted
-op, returns the same status list, and applies nothing unless every status is OK. Batched
-ops are defined as the sequential application of their entries in batch order, which is
-what the jitted ops reproduce.
+op, returns the same status list, and applies nothing unless every status is OK. Every
+entry is validated against the state before the call, then the entries are applied one
+after another in batch order, which is what the jitted ops reproduce.
 """
 
 from __future__ import annotations
 
 import collections
-import random as _random
 
+from paged_jax.cache.policies import AllocationPolicy, get_policy
+from paged_jax.cache.sentinels import NO_BLOCK, NO_SEQ, NO_SLOT
 from paged_jax.cache.state import Status
+from paged_jax.config import blocks_for
 
-NO_BLOCK = NO_SEQ = NO_SLOT = -1
+_PREDICTABLE = ("lifo", "fifo", "lowest_id_first")
 
 
 class ReferenceFreeList:
-    """The free pool of one policy, with Python containers."""
+    """The free pool of one policy, with Python containers.
 
-    def __init__(self, policy: str, num_blocks: int):
-        self.policy = policy
-        if policy == "lifo" or policy.startswith("random"):
+    ``lifo``, ``fifo`` and ``lowest_id_first`` are predicted exactly. Any policy marked
+    ``deterministic=False`` (``random`` or one of your own) is followed instead: ``pop``
+    takes the id the device chose and checks that it was free.
+    """
+
+    def __init__(self, policy: str | AllocationPolicy, num_blocks: int):
+        policy = get_policy(policy)
+        self.policy = policy.name if policy.deterministic else None  # None: follow the device
+        if self.policy == "lifo":
             self.items = list(range(num_blocks - 1, -1, -1))  # top of stack at the end
-        elif policy == "fifo":
+        elif self.policy == "fifo":
             self.items = collections.deque(range(num_blocks))
-        elif policy == "lowest_id_first":
+        elif self.policy == "lowest_id_first" or self.policy is None:
             self.items = set(range(num_blocks))
         else:
-            raise ValueError(f"no reference for policy {policy!r}")
+            raise ValueError(
+                f"no reference for the deterministic policy {policy.name!r}: add a branch for it "
+                f"to ReferenceFreeList (known: {', '.join(_PREDICTABLE)}) or mark it deterministic=False"
+            )
 
     def __len__(self):
         return len(self.items)
 
     def pop(self, chosen: int | None = None) -> int:
-        """Take a block; for random policies, ``chosen`` is the id the device picked."""
+        """Take a block; for a non-deterministic policy, ``chosen`` is the id the device picked."""
         if self.policy == "lifo":
             return self.items.pop()
         if self.policy == "fifo":
@@ -44,18 +55,19 @@ class ReferenceFreeList:
             self.items.remove(block)
             return block
         if chosen is None:
-            chosen = _random.choice(self.items)
+            raise ValueError("a non-deterministic policy's reference needs the id the device chose")
         self.items.remove(chosen)  # raises if the device picked a block that is not free
         return chosen
 
     def push(self, block: int) -> None:
-        if self.policy == "lowest_id_first":
+        if isinstance(self.items, set):
             self.items.add(block)
         else:
             self.items.append(block)
 
     def ordered(self) -> list[int]:
-        """Free ids in the order the next allocations take them (sorted for random)."""
+        """Free ids in the order the next allocations take them (sorted where the device
+        decides)."""
         if self.policy == "lifo":
             return self.items[::-1]
         if self.policy == "fifo":
@@ -64,7 +76,10 @@ class ReferenceFreeList:
 
 
 class ReferenceBlockManager:
-    def __init__(self, num_blocks: int, block_size: int, max_seqs: int, max_blocks_per_seq: int, policy: str = "lifo"):
+    def __init__(
+        self, num_blocks: int, block_size: int, max_seqs: int, max_blocks_per_seq: int,
+        policy: str | AllocationPolicy = "lifo",
+    ):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_seqs, self.max_blocks_per_seq = max_seqs, max_blocks_per_seq
         self.free = ReferenceFreeList(policy, num_blocks)
@@ -132,7 +147,7 @@ class ReferenceBlockManager:
                 need.append(0)
                 continue
             length, table = self.lens[s], self.tables[s]
-            k = -(-(length + n) // bs) - -(-length // bs)
+            k = blocks_for(length + n, bs) - blocks_for(length, bs)
             if length % bs:
                 b = table[length // bs]
                 if self.counts[b] - counts[b] > 1:
@@ -144,7 +159,7 @@ class ReferenceBlockManager:
     def append_slots(self, ids, num_tokens, max_tokens, device_ids=None):
         """Returns (status, slot_mapping rows, copies [(src, dst)] in batch order).
 
-        ``device_ids``: for random policies, the ids the device allocated, in order.
+        ``device_ids``: for a non-deterministic policy, the ids the device allocated, in order.
         """
         status = self._status(ids, want_active=True, unique=True)
         bs = self.block_size
@@ -152,7 +167,7 @@ class ReferenceBlockManager:
             if status[i] == Status.OK and s != NO_SEQ and not 0 <= n <= max_tokens:
                 status[i] = Status.BAD_NUM_TOKENS
         for i, (s, n) in enumerate(zip(ids, num_tokens)):
-            if status[i] == Status.OK and s != NO_SEQ and -(-(self.lens[s] + n) // bs) > self.max_blocks_per_seq:
+            if status[i] == Status.OK and s != NO_SEQ and blocks_for(self.lens[s] + n, bs) > self.max_blocks_per_seq:
                 status[i] = Status.TABLE_FULL
         empty = [[NO_SLOT] * max_tokens for _ in ids]
         if not self._all_ok(status):
@@ -173,7 +188,7 @@ class ReferenceBlockManager:
                     self.counts[dst] += 1
                     table[length // bs] = dst
                     copies.append((src, dst))
-                while len(table) < -(-(length + n) // bs):
+                while len(table) < blocks_for(length + n, bs):
                     block = take()
                     self.counts[block] += 1
                     table.append(block)
@@ -209,7 +224,7 @@ class ReferenceBlockManager:
             for s, n in zip(ids, new_lens):
                 if s == NO_SEQ:
                     continue
-                keep = -(-n // self.block_size)
+                keep = blocks_for(n, self.block_size)
                 for b in self.tables[s][keep:]:
                     self._drop_reference(b)
                 del self.tables[s][keep:]
@@ -231,6 +246,46 @@ class ReferenceBlockManager:
             for s, row, length in new:
                 self.tables[s], self.lens[s] = row, length
         return status
+
+    def restore_rows(self, ids, lens, local_tables, num_local, max_local, device_ids=None):
+        """Rebuild rows naming ``num_local`` fresh blocks by local index (see
+        ``ops.restore_rows``). Returns (status, physical id of each local id, NO_BLOCK
+        past num_local or when rejected); ``device_ids`` as for ``append_slots``."""
+        status = self._status(ids, want_active=False, unique=True)
+        bs = self.block_size
+        width = len(local_tables[0]) if local_tables else 0
+        real = [0 <= s < self.max_seqs for s in ids]
+        need = [blocks_for(min(max(n, 0), width * bs), bs) for n in lens]
+        for i, n in enumerate(lens):
+            if status[i] == Status.OK and real[i] and not 0 <= n <= width * bs:
+                status[i] = Status.BAD_NUM_TOKENS
+        for i, row in enumerate(local_tables):
+            held, rest = row[: need[i]], row[need[i]:]
+            well_formed = (
+                all(0 <= x < num_local for x in held)
+                and len(set(held)) == len(held)
+                and all(x == NO_BLOCK for x in rest)
+            )
+            if status[i] == Status.OK and real[i] and not well_formed:
+                status[i] = Status.BAD_TABLE
+        named = {x for i, row in enumerate(local_tables) if real[i] for x in row[: need[i]]}
+        group_bad = not 0 <= num_local <= max_local or any(x not in named for x in range(num_local))
+        if self._all_ok(status) and group_bad:
+            status = [Status.BAD_TABLE] * len(ids)
+        rejected = [NO_BLOCK] * max_local
+        if not self._all_ok(status):
+            return status, rejected
+        if num_local > len(self.free):
+            return [Status.NO_FREE_BLOCKS if real[i] and need[i] else Status.OK for i in range(len(ids))], rejected
+        chosen = list(device_ids) if device_ids is not None else [None] * num_local
+        phys = [self.free.pop(chosen[i]) for i in range(num_local)]
+        for i, s in enumerate(ids):
+            if real[i]:
+                self.tables[s] = [phys[x] for x in local_tables[i][: need[i]]]
+                self.lens[s] = lens[i]
+                for b in self.tables[s]:
+                    self.counts[b] += 1
+        return status, phys + [NO_BLOCK] * (max_local - num_local)
 
     # ------------------------------------------------------------------ observation
 

@@ -1,8 +1,9 @@
-"""The serving engine: continuous batching over the paged KV cache (seed M5, M8, C1, C2, C8).
+"""The serving engine: continuous batching over the paged KV cache, behind vLLM's API.
 
-Data flows one way: ``llm`` (public API) -> ``engine`` (the step loop) -> ``scheduler``
-(decisions; host only) -> ``runner`` (the only device code: steps, cache ops, swaps).
-``accounting`` is the one place where the paged engine and the static baseline differ.
+Data flows one way: ``llm`` (public API) -> ``engine`` (the step loop: schedule, run,
+postprocess) -> ``scheduler`` (decisions; host only; plans each step) -> ``runner`` (the
+only device code: executes a step's plan with one device fetch). ``accounting`` is the one
+place where the paged engine and the static baseline differ.
 """
 
 # Extension points: the static baseline's accounting, custom models, victim policies.
@@ -13,11 +14,11 @@ from paged_jax.engine.llm import LLM, CompletionOutput, RequestOutput, build_bac
 from paged_jax.engine.runner import ModelBackend
 from paged_jax.engine.sampling import SamplingParams, sample
 from paged_jax.engine.scheduler import PREEMPTION_MODES
-from paged_jax.engine.sequence import SeqInfo
+from paged_jax.engine.sequence import SeqInfo, Sequence, SequenceGroup
 from paged_jax.engine.victim import VICTIM_POLICIES, VictimPolicy, get_victim_policy
 
 __all__ = [
     "LLM", "PREEMPTION_MODES", "VICTIM_POLICIES", "CompletionOutput", "ModelBackend",
-    "PagedAccounting", "RequestOutput", "SamplingParams", "SeqInfo", "StaticAccounting",
-    "VictimPolicy", "build_backend", "get_victim_policy", "sample",
+    "PagedAccounting", "RequestOutput", "SamplingParams", "SeqInfo", "Sequence", "SequenceGroup",
+    "StaticAccounting", "VictimPolicy", "build_backend", "get_victim_policy", "sample",
 ]

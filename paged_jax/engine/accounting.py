@@ -25,11 +25,7 @@ scheduler, runner, block manager and step functions; only these answers change.
 
 from __future__ import annotations
 
-from paged_jax.engine.sequence import Sequence
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
+from paged_jax.config import blocks_for
 
 
 class PagedAccounting:
@@ -51,16 +47,17 @@ class PagedAccounting:
         self.block_size = block_size
         self.watermark_blocks = int(watermark * num_blocks)
 
-    def can_admit(self, num_tokens: int, free_blocks: int, others_running: bool) -> bool:
-        """Can a sequence that must hold ``num_tokens`` tokens start now?"""
+    def can_admit(self, num_blocks: int, free_blocks: int, others_running: bool, num_seqs: int = 1) -> bool:
+        """Can a request whose ``num_seqs`` sequences must hold ``num_blocks`` blocks start now?"""
+        del num_seqs
         keep = self.watermark_blocks if others_running else 0
-        return free_blocks - blocks_for(num_tokens, self.block_size) >= keep
+        return free_blocks - num_blocks >= keep
 
-    def on_admit(self, seq: Sequence) -> None:
-        del seq  # paged memory is charged as it is allocated
+    def on_admit(self, num_seqs: int = 1) -> None:
+        del num_seqs  # paged memory is charged as it is allocated
 
-    def on_release(self, seq: Sequence) -> None:
-        del seq
+    def on_release(self, num_seqs: int = 1) -> None:
+        del num_seqs
 
     def charged_blocks(self, allocated_blocks: int) -> int:
         return allocated_blocks
@@ -90,20 +87,19 @@ class StaticAccounting:
     def max_concurrent(self) -> int:
         return self.num_blocks // self.per_seq_blocks
 
-    def can_admit(self, num_tokens: int, free_blocks: int, others_running: bool) -> bool:
+    def can_admit(self, num_blocks: int, free_blocks: int, others_running: bool, num_seqs: int = 1) -> bool:
+        """Can ``num_seqs`` more sequences each reserve ``max_model_len``?"""
         del others_running
-        fits = self.reserved_blocks + self.per_seq_blocks <= self.num_blocks
+        fits = self.reserved_blocks + num_seqs * self.per_seq_blocks <= self.num_blocks
         # Reservations never exceed the pool, so the physical blocks are always there.
-        assert not fits or free_blocks >= blocks_for(num_tokens, self.block_size)
+        assert not fits or free_blocks >= num_blocks
         return fits
 
-    def on_admit(self, seq: Sequence) -> None:
-        del seq
-        self.reserved_blocks += self.per_seq_blocks
+    def on_admit(self, num_seqs: int = 1) -> None:
+        self.reserved_blocks += num_seqs * self.per_seq_blocks
 
-    def on_release(self, seq: Sequence) -> None:
-        del seq
-        self.reserved_blocks -= self.per_seq_blocks
+    def on_release(self, num_seqs: int = 1) -> None:
+        self.reserved_blocks -= num_seqs * self.per_seq_blocks
         assert self.reserved_blocks >= 0
 
     def charged_blocks(self, allocated_blocks: int) -> int:

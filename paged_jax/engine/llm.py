@@ -20,19 +20,21 @@ pre-PagedAttention baseline (see ``accounting.py``).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import numbers
 import os
 from collections.abc import Sequence as Seq
 
-from paged_jax.engine.accounting import PagedAccounting, StaticAccounting, blocks_for
+import jax
+
+from paged_jax.config import blocks_for
+from paged_jax.engine.accounting import PagedAccounting, StaticAccounting
 from paged_jax.engine.engine import LLMEngine
 from paged_jax.engine.runner import ModelBackend, ModelRunner, RunnerConfig
 from paged_jax.engine.sampling import SamplingParams, seed_for
 from paged_jax.engine.scheduler import Scheduler, SchedulerConfig
-from paged_jax.engine.sequence import Sequence
-from paged_jax.engine.swap import HostSwapPool
+from paged_jax.engine.sequence import Sequence, SequenceGroup
+from paged_jax.kv.pages import bytes_per_block as kv_bytes_per_block
 
 KV_CACHE_MODES = ("paged", "static")
 
@@ -79,29 +81,19 @@ def build_backend(model, *, dtype: str, seed: int, attention_impl: str, block_si
         raise ValueError(
             f"model={model!r}: expected a local HF checkpoint directory, a ModelConfig or a ModelBackend"
         )
-    steps = _step_fns(config, attention_impl)
+    from paged_jax.steps import make_model_step
+
     return ModelBackend(
-        prefill=steps.prefill,
-        decode=steps.decode,
+        step=make_model_step(config, attention_impl),
         params=params,
         init_pages=lambda num_blocks: kv.init_pages(
             config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim, dtype
         ),
-        read_blocks=kv.read_blocks,
-        write_blocks=kv.write_blocks,
         vocab_size=config.vocab_size,
         eos_token_id=eos,
         max_position=config.max_seq_len,
         name=name,
     )
-
-
-@functools.lru_cache(maxsize=16)
-def _step_fns(config, attention_impl: str):
-    """One ``StepFns`` per (model shape, attention impl): engines share compiled steps."""
-    from paged_jax.steps import make_step_fns
-
-    return make_step_fns(config, attention_impl=attention_impl)
 
 
 class LLM:
@@ -122,7 +114,8 @@ class LLM:
       swap_space_blocks: host swap pool size in blocks (swap mode; default: as many as
         the device pool).
       allocation_policy: block allocation order: "lifo", "fifo", "lowest_id_first", "random".
-      attention_impl: passed to ``make_step_fns``.
+      attention_impl: a name in ``attention.dispatch`` ("auto", "xla", "reference",
+        "pallas", "pallas_interpret").
       dtype: parameter, compute and KV dtype.
       seed: random weights (ModelConfig) and default per-request sampling seeds.
       kv_cache: "paged" or "static" (each sequence reserves max_model_len up front).
@@ -132,15 +125,7 @@ class LLM:
         new request is not admitted only to be preempted again a few steps later. 0 (the
         default) admits like vLLM: prompt blocks above the watermark.
       victim_policy: name in ``victim.VICTIM_POLICIES`` or a function.
-      debug_checks: check every invariant after every step (slow; for tests).
-      narrow_tables: steps attend through only the block-table columns live rows use
-        (a power-of-two bucket), so attention reads keys in proportion to the longest
-        live sequence rather than ``max_model_len``, and decode batches may be split by
-        width; False always passes the full table. None (default): narrow only for
-        ``attention_impl="reference"``, whose cost follows the table width; "xla" and the
-        Pallas kernels read only the blocks rows hold whatever the width, so narrowing
-        would only add compiled shapes and calls. A ``ModelBackend`` given as ``model``
-        (its attention unknown here) defaults to False.
+      debug_checks: check every invariant after every op and step (slow; for tests).
     """
 
     def __init__(
@@ -164,7 +149,6 @@ class LLM:
         admission_lookahead: int = 0,
         victim_policy="most_recently_admitted",
         debug_checks: bool = False,
-        narrow_tables: bool | None = None,
     ):
         if kv_cache not in KV_CACHE_MODES:
             raise ValueError(f"kv_cache={kv_cache!r}: unknown; choose one of {list(KV_CACHE_MODES)}")
@@ -181,13 +165,9 @@ class LLM:
             preemption_mode=preemption_mode, victim_policy=victim_policy,
             admission_lookahead=admission_lookahead,
         )
-        if narrow_tables is None:
-            from paged_jax.attention import resolve_impl
-
-            narrow_tables = not isinstance(model, ModelBackend) and resolve_impl(attention_impl) == "reference"
         backend = build_backend(model, dtype=dtype, seed=seed, attention_impl=attention_impl, block_size=block_size)
 
-        bytes_per_block = _bytes_per_block(backend)
+        bytes_per_block = kv_bytes_per_block(jax.eval_shape(lambda: backend.init_pages(1)))
         if kv_cache_memory_bytes is not None:
             num_gpu_blocks = int(kv_cache_memory_bytes) // bytes_per_block
             if num_gpu_blocks < 1:
@@ -220,6 +200,11 @@ class LLM:
         self.num_gpu_blocks = num_gpu_blocks
         self.seed = seed
         self.backend = backend
+        swapping = preemption_mode == "swap" and kv_cache == "paged"
+        if not swapping:
+            swap_space_blocks = 0
+        elif swap_space_blocks is None:
+            swap_space_blocks = num_gpu_blocks
         self.runner = ModelRunner(
             backend,
             RunnerConfig(
@@ -229,17 +214,14 @@ class LLM:
                 max_blocks_per_seq=blocks_per_seq,
                 max_num_batched_tokens=max_num_batched_tokens,
                 allocation_policy=allocation_policy,
-                narrow_tables=narrow_tables,
+                debug=debug_checks,
             ),
+            swap_space_blocks=swap_space_blocks,
         )
         if kv_cache == "paged":
             accounting = PagedAccounting(num_gpu_blocks, block_size, watermark)
         else:
             accounting = StaticAccounting(num_gpu_blocks, block_size, max_model_len)
-        swap_pool = None
-        if preemption_mode == "swap" and kv_cache == "paged":
-            capacity = num_gpu_blocks if swap_space_blocks is None else swap_space_blocks
-            swap_pool = HostSwapPool(capacity, self.runner.block_leaves, self.runner.block_treedef)
         scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -251,7 +233,7 @@ class LLM:
             ),
             self.runner,
             accounting,
-            swap_pool,
+            swapping=swapping,
         )
         self.engine = LLMEngine(scheduler, self.runner, eos_token_id=backend.eos_token_id, debug_checks=debug_checks)
         self._next_request = 0
@@ -270,17 +252,18 @@ class LLM:
         outside the vocabulary, or a prompt that cannot fit (``>= max_model_len`` tokens,
         naming the request index and the limit).
         """
-        seqs = self.add_requests(prompts, sampling_params)
-        bar = _progress(len(seqs)) if use_tqdm else None
+        groups = self.add_requests(prompts, sampling_params)
+        bar = _progress(len(groups)) if use_tqdm else None
         while self.engine.has_unfinished():
             done = self.engine.step()
             if bar is not None and done:
-                bar.update(len(done))
+                bar.update(sum(s.group.finished for s in done))
+        self.engine.flush()
         if bar is not None:
             bar.close()
-        return self.outputs(seqs)
+        return self.outputs(groups)
 
-    def add_requests(self, prompts, sampling_params=None) -> list[Sequence]:
+    def add_requests(self, prompts, sampling_params=None) -> list[SequenceGroup]:
         """Validate and queue requests without running them (``generate`` = this, then
         ``engine.step()`` until done, then ``outputs``). For drivers that step engines
         themselves, e.g. a benchmark interleaving two engines. Same arguments and errors
@@ -300,39 +283,42 @@ class LLM:
         for i, prompt in enumerate(prompts):
             self._validate_prompt(i, prompt)
 
-        seqs = []
+        groups = []
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             rid = str(self._next_request)
             self._next_request += 1
+            prompt = tuple(prompt)
             seq = Sequence(
                 request_id=rid,
                 index=i,
-                prompt_token_ids=tuple(prompt),
+                prompt_token_ids=prompt,
                 params=p,
                 seed=seed_for(self.seed, rid, p.seed),
                 max_tokens=min(p.max_tokens, self.max_model_len - len(prompt)),
             )
-            seqs.append(seq)
-            self.engine.add(seq)
-        return seqs
+            group = SequenceGroup(request_id=rid, index=i, prompt_token_ids=prompt, params=p, seqs=[seq])
+            groups.append(group)
+            self.engine.add(group)
+        return groups
 
     @staticmethod
-    def outputs(seqs: list[Sequence]) -> list[RequestOutput]:
-        """``RequestOutput``s of finished sequences, in the given order."""
+    def outputs(groups: list[SequenceGroup]) -> list[RequestOutput]:
+        """``RequestOutput``s of finished requests, in the given order."""
         return [
             RequestOutput(
-                request_id=s.request_id,
-                prompt_token_ids=list(s.prompt_token_ids),
+                request_id=g.request_id,
+                prompt_token_ids=list(g.prompt_token_ids),
                 outputs=[
                     CompletionOutput(
-                        index=0,
+                        index=s.completion,
                         token_ids=list(s.output_token_ids),
                         cumulative_logprob=s.cumulative_logprob,
                         finish_reason=s.finish_reason.value,
                     )
+                    for s in g.seqs
                 ],
             )
-            for s in seqs
+            for g in groups
         ]
 
     def _validate_prompt(self, i: int, prompt: list[int]) -> None:
@@ -386,16 +372,6 @@ class LLM:
         self.engine.scheduler.counters = SchedulerCounters()
         self.runner.compile_seconds = 0.0
         self.engine.stats = EngineStats(block_size=self.block_size, num_blocks=self.num_gpu_blocks)
-
-
-def _bytes_per_block(backend: ModelBackend) -> int:
-    import functools
-
-    import jax
-    import numpy as np
-
-    one = jax.eval_shape(functools.partial(backend.init_pages, 1))
-    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(one))
 
 
 def _normalise_prompts(prompts) -> list[list[int]]:

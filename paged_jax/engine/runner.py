@@ -1,19 +1,26 @@
 """The model runner: the only part of the engine that touches the device.
 
 It owns the device state (the block manager's ``CacheState``, the KV pages, the model
-parameters) and runs, on request of the scheduler: the jitted prefill / decode steps, the
-sampler, the block-manager ops the scheduler needs (open, release, blocks_needed,
-num_free) and the block copies of a swap. Every batch is padded to a bucket so the number
-of compiled shapes stays bounded: decode batches to multiples of 8 rows
-(``decode_size``), prefill calls to power-of-two shapes of bounded area
-(``prefill_shapes``), and the block-table view of a decode to at most three widths
-(``table_width``; prefill calls see the whole table). ``traces`` counts the
-step-function traces (compiles) this runner's calls caused. The jitted functions are shared process-wide, so a second engine
-with the same shapes compiles nothing; note that they keep whatever
-``paged_jax.cache.set_debug_checks`` setting was on when they were first traced.
+parameters) and executes one ``StepPlan`` per engine step with ``run``:
 
-Padding rows use sequence id ``NO_SEQ`` (-1), which the step functions and cache ops
-ignore.
+1. copy the blocks of requests being swapped out (a gather, on the device);
+2. one housekeeping program: release rows (finished last step, preempted now), open the
+   rows of admitted requests, fork children from their parents;
+3. swap-ins: rebuild the rows of returning requests in fresh blocks (shared blocks
+   shared again, ``cache.restore_rows``) and write their data back;
+4. the model steps: one decode call for every single-token append, prefill calls for the
+   chunks (``buckets.plan_prefill``), each fused with the sampler;
+5. a snapshot of the block manager (``cache.snapshot``);
+
+and then brings everything the host needs back in **one** device fetch: sampled tokens,
+their log-probabilities, every op's status, the swapped-out data and the snapshot, from
+which it rebuilds ``view`` (a ``cache.HostView``). The scheduler plans the next step
+against ``view`` on the host, so no decision waits for the device.
+
+Every batch is padded to a bucket (``paged_jax.buckets``) so the number of compiled
+programs stays bounded; the housekeeping program has one fixed shape. ``traces`` counts
+the model-step traces (compiles) this runner's calls caused; the jitted functions are
+shared process-wide, so a second engine with the same shapes compiles nothing.
 """
 
 from __future__ import annotations
@@ -29,71 +36,49 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax import buckets
 from paged_jax.cache import (
-    CacheState,
-    append_slots,
-    blocks_needed,
+    NO_BLOCK,
+    HostView,
     check_invariants,
-    debug_checks_enabled,
+    fork,
     init_state,
-    num_free_blocks,
     open_sequences,
     raise_for_status,
     release,
-    set_debug_checks,
+    restore_rows,
+    snapshot,
 )
 from paged_jax.config import CacheConfig
 from paged_jax.engine.sampling import sample
-from paged_jax.engine.swap import block_layout
-
-NO_SEQ = CacheState.NO_SEQ
+from paged_jax.engine.swap import HostSwapPool, SwappedBlocks
+from paged_jax.kv.pages import BLOCK_AXIS, bytes_per_block, read_blocks, write_blocks
 
 
 class ModelBackend(NamedTuple):
     """Everything the runner needs from a model (built by ``llm.py`` or by a test).
 
     Attributes:
-      prefill, decode: step functions with the contract of ``paged_jax.steps.StepFns``:
-        ``prefill(params, cache_state, pages, tokens int32[B, T], seq_ids int32[B],
-        num_tokens int32[B]) -> (logits f32[B, V], cache_state, pages, status int32[B])``
-        and ``decode(params, cache_state, pages, tokens int32[B], seq_ids int32[B]) ->
-        (logits, cache_state, pages, status)``.
+      step: the pure model step, ``paged_jax.steps``' contract: ``step(params,
+        cache_state, pages, tokens int32[B, T], seq_ids int32[B], num_tokens int32[B]) ->
+        (logits f32[B, V] at each row's last new token, cache_state, pages, status
+        int32[B])``. Decode is ``T == 1``. The runner jits it (fused with sampling).
       params: the model parameters (a pytree).
-      init_pages: ``num_blocks -> pages``: an empty KV page store for the pool.
-      read_blocks: ``(pages, ids int32[N]) -> pytree`` of those blocks' data (one axis
-        of each leaf indexes the N blocks).
-      write_blocks: ``(pages, ids int32[N], data) -> pages``.
+      init_pages: ``num_blocks -> pages``: an empty KV page store for the pool (a
+        ``KVPages`` or any pytree whose leaves are ``[..., num_blocks, block_size, F]``).
       vocab_size: V.
       eos_token_id: stops generation unless ``ignore_eos``; None if the model has none.
       max_position: longest sequence the model supports (None: unbounded).
       name: a short description for reports.
     """
 
-    prefill: Callable
-    decode: Callable
+    step: Callable
     params: Any
     init_pages: Callable[[int], Any]
-    read_blocks: Callable
-    write_blocks: Callable
     vocab_size: int
     eos_token_id: int | None = None
     max_position: int | None = None
     name: str = "model"
-
-
-def bucket(n: int, cap: int, lo: int = 1) -> int:
-    """Smallest power of two >= max(n, lo), but at most ``cap`` (itself any int >= n)."""
-    assert 0 < n <= cap, (n, cap)
-    return min(max(lo, 1 << (n - 1).bit_length()), cap)
-
-
-class StepOut(NamedTuple):
-    """What a fused step returns besides the new state (device arrays until fetched)."""
-
-    tokens: Any  # int32[B_pad]; the sampled token per row (meaningless for padding rows)
-    logprobs: Any  # f32[B_pad]; its log-probability under the unmodified distribution
-    num_free: Any  # int32[]; free blocks after the step
-    status: Any  # int32[B_pad]; Status per row
 
 
 class SampleRow(NamedTuple):
@@ -101,27 +86,66 @@ class SampleRow(NamedTuple):
     top_k: int
     top_p: float
     seed: int
-    step: int  # index of the token being sampled in the request's output
+    step: int  # index of the token being sampled in the completion's output
 
 
 _PAD_SAMPLE = SampleRow(0.0, -1, 1.0, 0, 0)
 
 
+class Work(NamedTuple):
+    """One row's part of a step: feed ``tokens`` (its next pending ones) to row ``slot``."""
+
+    slot: int
+    tokens: list[int]
+    sample: SampleRow
+
+
+class SwapIn(NamedTuple):
+    """A request coming back from the host pool into the rows ``slots`` (one per member)."""
+
+    slots: list[int]
+    blocks: SwappedBlocks
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """What the runner does in one step, in this order (see the module docstring).
+
+    ``swap_out`` rows are copied to the host and released; ``release`` rows are released;
+    ``open`` rows become live (empty); ``fork`` makes each child a copy of its parent;
+    ``swap_in`` rebuilds requests from the host pool; ``work`` runs the model.
+    """
+
+    work: list[Work] = dataclasses.field(default_factory=list)
+    release: list[int] = dataclasses.field(default_factory=list)
+    swap_out: list[list[int]] = dataclasses.field(default_factory=list)  # member rows per request
+    open: list[int] = dataclasses.field(default_factory=list)
+    fork: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (parent, child) rows
+    swap_in: list[SwapIn] = dataclasses.field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.work or self.release or self.swap_out or self.open or self.fork or self.swap_in)
+
+
+class StepResult(NamedTuple):
+    """What comes back from ``run``, host side (aligned with the plan's lists)."""
+
+    tokens: np.ndarray  # int32[len(work)]: sampled at each row's last fed token
+    logprobs: np.ndarray  # f32[len(work)]: its log-probability under the model
+    swapped: list[SwappedBlocks]  # one per plan.swap_out entry
+    view: HostView  # the block manager after the step
+
+
+class _StepOut(NamedTuple):
+    tokens: Any  # int32[B_pad]
+    logprobs: Any  # f32[B_pad]
+    status: Any  # int32[B_pad]
+
+
 def _all_greedy(rows: list[SampleRow]) -> bool:
     """Static flag: a batch of greedy rows compiles without the sort (cheaper)."""
     return all(r.temperature == 0 for r in rows)
-
-
-def _adopt(state, seq_ids, num_tokens, *, max_tokens):
-    """Open rows and give them ``num_tokens`` fresh slots each (the swap-in path).
-
-    Returns (state, rows int32[B, max_blocks_per_seq], status int32[B]): the rebuilt
-    table rows, so the caller can write the swapped-in data into their blocks.
-    """
-    state, opened = open_sequences(state, seq_ids)
-    state, res = append_slots(state, seq_ids, num_tokens, max_tokens=max_tokens)
-    status = jnp.where(opened != 0, opened, res.status)
-    return state, state.block_tables[jnp.maximum(seq_ids, 0)], status
 
 
 # Jitted functions are shared by every runner (module-level caches), so engines with the
@@ -131,57 +155,38 @@ _TRACES: collections.Counter = collections.Counter()
 
 @functools.cache
 def _fused(step: Callable) -> Callable:
-    """jit(step, then sample, then count free blocks): one program and one dispatch per
-    engine step. Its Python body runs only when it traces, which ``_TRACES`` counts.
-    Cache state and pages are donated."""
+    """jit(step, then sample): one program and one dispatch per model call. Its Python
+    body runs only when it traces, which ``_TRACES`` counts. State and pages are donated."""
 
-    def traced(params, state, pages, *args, greedy_only, width):
+    def traced(params, state, pages, tokens, seq_ids, num_tokens, temperature, top_k, top_p, seeds, steps,
+               *, greedy_only):
         _TRACES[fused] += 1
-        *step_args, temperature, top_k, top_p, seeds, steps = args
-        # The step sees only the first ``width`` table columns, which hold every block
-        # of every live row (the caller guarantees it), so the narrowed state is a valid
-        # CacheState; attention then reads width * block_size keys per row instead of
-        # max_model_len. The columns are written back after the step.
-        #
-        # A decode call may also hold only some rows (``plan_decode`` groups rows by
-        # width): then only *its* rows must fit in ``width`` columns. Rows outside the
-        # call keep their other columns untouched in the full table (written back
-        # below), but the narrowed view of them is cut short, so the block manager's
-        # debug invariant check would reject the view. With debug checks on, the step's
-        # own ops are traced without them and the whole state is checked after the
-        # write-back instead.
-        narrow = state.replace(block_tables=state.block_tables[:, :width])
-        debug = debug_checks_enabled() and width < state.block_tables.shape[1]
-        if debug:
-            set_debug_checks(False)
-        try:
-            logits, narrow, pages, status = step(params, narrow, pages, *step_args)
-        finally:
-            if debug:
-                set_debug_checks(True)
-        state = narrow.replace(block_tables=state.block_tables.at[:, :width].set(narrow.block_tables))
-        if debug:
-            leaves, treedef = jax.tree.flatten(state)
-            jax.debug.callback(
-                lambda *xs: check_invariants(jax.tree.unflatten(treedef, xs), op="narrowed step"), *leaves
-            )
-        tokens, logprobs = sample(logits, temperature, top_k, top_p, seeds, steps, greedy_only=greedy_only)
-        return StepOut(tokens, logprobs, num_free_blocks(state), status), state, pages
+        logits, state, pages, status = step(params, state, pages, tokens, seq_ids, num_tokens)
+        toks, logprobs = sample(logits, temperature, top_k, top_p, seeds, steps, greedy_only=greedy_only)
+        return _StepOut(toks, logprobs, status), state, pages
 
-    fused = jax.jit(traced, donate_argnums=(1, 2), static_argnames=("greedy_only", "width"))
+    fused = jax.jit(traced, donate_argnums=(1, 2), static_argnames=("greedy_only",))
     return fused
 
 
-@functools.cache
-def _jit(fn: Callable, **kwargs) -> Callable:
-    return jax.jit(fn, **kwargs)
+def _housekeeping(state, release_ids, open_ids, fork_parents, fork_children):
+    """Release, open, fork (int32[S] each, NO_SEQ-padded), in that order: one program."""
+    state, released = release(state, release_ids)
+    state, opened = open_sequences(state, open_ids)
+    state, forked = fork(state, fork_parents, fork_children)
+    return state, (released, opened, forked)
 
 
-_open = jax.jit(open_sequences, donate_argnums=0)
-_release = jax.jit(release, donate_argnums=0)
-_blocks_needed = jax.jit(blocks_needed)
-_num_free = jax.jit(num_free_blocks)
-_adopt_jit = jax.jit(_adopt, donate_argnums=0, static_argnames="max_tokens")
+def _swap_in(state, pages, seq_ids, lens, local_tables, num_local, data, *, max_local):
+    """restore_rows, then the host data into the fresh blocks, in one program."""
+    state, ids, status = restore_rows(state, seq_ids, lens, local_tables, num_local, max_local=max_local)
+    return state, write_blocks(pages, ids, data), status
+
+
+_housekeeping_jit = jax.jit(_housekeeping, donate_argnums=0)
+_swap_in_jit = jax.jit(_swap_in, donate_argnums=(0, 1), static_argnames="max_local")
+_read_blocks = jax.jit(read_blocks)
+_snapshot = jax.jit(snapshot)
 
 
 @dataclasses.dataclass
@@ -192,308 +197,180 @@ class RunnerConfig:
     max_blocks_per_seq: int
     max_num_batched_tokens: int  # the largest prefill chunk (and token budget per step)
     allocation_policy: str = "lifo"
-    narrow_tables: bool = True  # steps attend through only the table columns in use
-    # Split a decode batch into calls by table width when the cost model says it pays
-    # (``plan_decode``); needs narrow_tables.
-    split_decode: bool = True
-    # Relative decode-call cost: fixed + per padded row + per padded row per key read.
-    # Fitted to the study model on the 2-core CPU with attention_impl="reference", whose
-    # cost follows the width (ms: ~10 + 1.2 b + 0.0044 b keys);
-    # only its ratios matter, and only to choose among groupings.
-    decode_cost: tuple[float, float, float] = (10.0, 1.2, 0.0044)
+    debug: bool = False  # check the block manager's invariants after every op (slow)
 
 
 class ModelRunner:
     """Device state and the jitted calls on it. Not thread-safe; one engine owns it."""
 
-    def __init__(self, backend: ModelBackend, config: RunnerConfig):
+    def __init__(self, backend: ModelBackend, config: RunnerConfig, swap_space_blocks: int = 0):
         self.backend = backend
         self.config = config
-        cache_config = CacheConfig(
+        self.cache_config = CacheConfig(
             num_blocks=config.num_blocks,
             block_size=config.block_size,
             max_seqs=config.max_num_seqs,
             max_blocks_per_seq=config.max_blocks_per_seq,
         )
-        self.cache_config = cache_config
-        self.cache_state = init_state(cache_config, config.allocation_policy)
+        self.cache_state = init_state(self.cache_config, config.allocation_policy, debug=config.debug)
         self.pages = backend.init_pages(config.num_blocks)
         self.params = backend.params
+        self.bytes_per_block = bytes_per_block(self.pages)
+        self.swap_pool = HostSwapPool.for_pages(swap_space_blocks, self.pages)
         self.traces: collections.Counter[str] = collections.Counter()
-        self.compile_seconds = 0.0  # wall time of step calls that traced
-        self._prefill = _fused(backend.prefill)
-        self._decode = _fused(backend.decode)
-        self._read_blocks = _jit(backend.read_blocks)
-        self._write_blocks = _jit(backend.write_blocks, donate_argnums=0)
-        self.block_leaves, self.block_treedef, self._block_axes = block_layout(backend.read_blocks, self.pages)
-        self.bytes_per_block = sum(
-            int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in self.block_leaves
+        self.compile_seconds = 0.0  # wall time of model calls that traced
+        self._step = _fused(backend.step)
+        self.view = self._fresh_view()
+
+    # ------------------------------------------------------------------ the step
+
+    def run(self, plan: StepPlan) -> StepResult:
+        """Execute ``plan`` (module docstring) with one device fetch; returns the sampled
+        tokens and the new view. Raises ``CacheOpError`` if the device rejected an op:
+        the scheduler planned against ``view``, so a rejection is an engine bug."""
+        statuses: list[tuple[str, Any, Any]] = []  # (op, ids, device status)
+        swap_reads = [self._read_swap_out(rows) for rows in plan.swap_out]
+        self._run_housekeeping(plan, statuses)
+        if plan.swap_in:
+            self._run_swap_in(plan.swap_in, statuses)
+        outs, order = self._run_model(plan.work, statuses)
+        host_outs, host_statuses, host_reads, snap = jax.device_get(
+            (outs, [s for _, _, s in statuses], [data for _, data in swap_reads], _snapshot(self.cache_state))
         )
+        for (op, ids, _), status in zip(statuses, host_statuses, strict=True):
+            raise_for_status(op, ids, status)
+        swapped = []
+        for (blocks, _), data in zip(swap_reads, host_reads, strict=True):
+            leaves = [np.moveaxis(np.asarray(x), x.ndim + BLOCK_AXIS, 0) for x in jax.tree.leaves(data)]
+            self.swap_pool.write(blocks.host_ids, leaves)
+            swapped.append(blocks)
+        self.view = HostView.from_snapshot(snap, self.config.block_size)
+        tokens = np.zeros(len(plan.work), np.int32)
+        logprobs = np.zeros(len(plan.work), np.float32)
+        for out, positions in zip(host_outs, order, strict=True):
+            tokens[positions] = out.tokens[: len(positions)]
+            logprobs[positions] = out.logprobs[: len(positions)]
+        return StepResult(tokens, logprobs, swapped, self.view)
 
-    def table_width(self, max_blocks: int) -> int:
-        """Table columns a step needs when no live row holds more than ``max_blocks``
-        blocks: a power of two, at least ``max_blocks_per_seq / 4`` (so at most three
-        widths and compiles stay bounded), capped at ``max_blocks_per_seq``."""
-        full = self.config.max_blocks_per_seq
-        if not self.config.narrow_tables:
-            return full
-        return bucket(max(max_blocks, 1), full, lo=bucket(-(-full // 4), full))
+    def _read_swap_out(self, rows: list[int]) -> tuple[SwappedBlocks, Any]:
+        """Host blocks for the distinct blocks ``rows`` name (shared ones once), and the
+        device gather of their data (fetched with the step)."""
+        tables = self.view.block_tables[rows]
+        held = tables[tables != NO_BLOCK]
+        distinct, first = np.unique(held, return_index=True)
+        distinct = distinct[np.argsort(first)]  # in order of first appearance
+        local = np.full(tables.shape, NO_BLOCK, np.int32)
+        lookup = {int(b): i for i, b in enumerate(distinct)}
+        for (r, c), b in np.ndenumerate(tables):
+            if b != NO_BLOCK:
+                local[r, c] = lookup[int(b)]
+        blocks = SwappedBlocks(self.swap_pool.reserve(len(distinct)), local,
+                               [int(self.view.seq_lens[r]) for r in rows])
+        size = buckets.bucket(len(distinct), cap=self.config.num_blocks)
+        ids = np.concatenate([distinct, np.full(size - len(distinct), distinct[-1])]).astype(np.int32)
+        return blocks, _read_blocks(self.pages, ids)
 
-    def _run_step(self, name: str, fused: Callable, *args, greedy_only: bool, width: int) -> StepOut:
-        """Call a fused step, attributing any trace it causes to this runner."""
-        before = _TRACES[fused]
+    def _run_housekeeping(self, plan: StepPlan, statuses: list) -> None:
+        released = plan.release + [r for rows in plan.swap_out for r in rows]
+        if not (released or plan.open or plan.fork):
+            return
+        size = self.config.max_num_seqs
+        ids = [buckets.pad_ids(released, size), buckets.pad_ids(plan.open, size),
+               buckets.pad_ids([p for p, _ in plan.fork], size), buckets.pad_ids([c for _, c in plan.fork], size)]
+        self.cache_state, (s_rel, s_open, s_fork) = _housekeeping_jit(self.cache_state, *ids)
+        statuses += [("release", ids[0], s_rel), ("open_sequences", ids[1], s_open), ("fork", ids[3], s_fork)]
+
+    def _run_swap_in(self, swap_ins: list[SwapIn], statuses: list) -> None:
+        """Every returning request in one restore: local block ids offset per request."""
+        slots, lens, tables, host_ids = [], [], [], []
+        for item in swap_ins:
+            local = np.where(item.blocks.local_tables >= 0, item.blocks.local_tables + len(host_ids), NO_BLOCK)
+            slots += item.slots
+            lens += item.blocks.lens
+            tables.append(local)
+            host_ids += item.blocks.host_ids
+        rows = buckets.bucket(len(slots), cap=self.config.max_num_seqs)
+        max_local = buckets.bucket(len(host_ids), cap=self.config.num_blocks)
+        width = self.config.max_blocks_per_seq
+        local_tables = np.full((rows, width), NO_BLOCK, np.int32)
+        local_tables[: len(slots)] = np.concatenate(tables)
+        data = []
+        for leaf in self.swap_pool.load(host_ids):
+            padded = np.concatenate([leaf, np.repeat(leaf[-1:], max_local - len(host_ids), axis=0)])
+            data.append(jnp.asarray(np.moveaxis(padded, 0, padded.ndim + BLOCK_AXIS)))
+        ids = buckets.pad_ids(slots, rows)
+        padded_lens = np.zeros(rows, np.int32)
+        padded_lens[: len(lens)] = lens
+        self.cache_state, self.pages, status = _swap_in_jit(
+            self.cache_state, self.pages, ids, padded_lens, local_tables, np.int32(len(host_ids)),
+            jax.tree.unflatten(self.swap_pool.treedef, data), max_local=max_local,
+        )
+        statuses.append(("restore_rows (swap-in)", ids, status))
+        for item in swap_ins:
+            self.swap_pool.free(item.blocks.host_ids)
+
+    def _run_model(self, work: list[Work], statuses: list) -> tuple[list[_StepOut], list[list[int]]]:
+        """Decode rows in one call, chunks in as few prefill calls as fit the area bound."""
+        outs, order = [], []
+        decode = [i for i, w in enumerate(work) if len(w.tokens) == 1]
+        chunks = [i for i, w in enumerate(work) if len(w.tokens) > 1]
+        if decode:
+            size = buckets.decode_rows(len(decode), self.config.max_num_seqs)
+            outs.append(self._call("decode", [work[i] for i in decode], (size, 1), statuses))
+            order.append(decode)
+        area = buckets.prefill_area(self.config.max_num_batched_tokens)
+        for rows, width, members in buckets.plan_prefill([len(work[i].tokens) for i in chunks], area,
+                                                          self.config.max_num_seqs):
+            group = [chunks[m] for m in members]
+            outs.append(self._call("prefill", [work[i] for i in group], (rows, width), statuses))
+            order.append(group)
+        return outs, order
+
+    def _call(self, name: str, items: list[Work], shape: tuple[int, int], statuses: list) -> _StepOut:
+        """One fused model call over ``items`` padded to ``shape``, counting any trace."""
+        batch = buckets.pad_batch([w.slot for w in items], [w.tokens for w in items], shape=shape)
+        rows = [w.sample for w in items]
+        rows += [_PAD_SAMPLE] * (shape[0] - len(rows))
+        cols = list(zip(*rows, strict=True))
+        sampling = (np.asarray(cols[0], np.float32), np.asarray(cols[1], np.int32), np.asarray(cols[2], np.float32),
+                    np.asarray(cols[3], np.uint32), np.asarray(cols[4], np.int32))
+        before = _TRACES[self._step]
         start = time.perf_counter()
-        out, self.cache_state, self.pages = fused(
-            self.params, self.cache_state, self.pages, *args, greedy_only=greedy_only, width=width,
+        out, self.cache_state, self.pages = self._step(
+            self.params, self.cache_state, self.pages, batch.tokens, batch.seq_ids, batch.num_tokens, *sampling,
+            greedy_only=_all_greedy(rows),
         )
-        if traced := _TRACES[fused] - before:
+        if traced := _TRACES[self._step] - before:
             # Tracing and compiling happen inside the call, before it returns (execution
             # is asynchronous): the call's time is the compile time.
             self.traces[name] += traced
             self.compile_seconds += time.perf_counter() - start
+        statuses.append((name, batch.seq_ids, out.status))
         return out
-
-    # ------------------------------------------------------------------ cache ops
-
-    @staticmethod
-    def _ids(slots: list[int], size: int) -> np.ndarray:
-        """int32[size]: the rows, padded with NO_SEQ (numpy: jit transfers it directly)."""
-        return np.asarray(list(slots) + [NO_SEQ] * (size - len(slots)), np.int32)
-
-    def open(self, slots: list[int]) -> None:
-        """Make table rows live (empty) before their first prefill."""
-        if not slots:
-            return
-        ids = self._ids(slots, bucket(len(slots), self.config.max_num_seqs))
-        self.cache_state, status = _open(self.cache_state, ids)
-        raise_for_status("open_sequences", ids, status)
-
-    def release(self, slots: list[int]) -> None:
-        """Free rows and every block only they held."""
-        if not slots:
-            return
-        ids = self._ids(slots, bucket(len(slots), self.config.max_num_seqs))
-        self.cache_state, status = _release(self.cache_state, ids)
-        raise_for_status("release", ids, status)
-
-    def blocks_needed(self, slots: list[int], num_tokens: list[int]) -> tuple[np.ndarray, int]:
-        """(blocks each append would take, incl. copy-on-write, int[len(slots)]; free blocks)."""
-        free = _num_free(self.cache_state)
-        if not slots:
-            return np.zeros((0,), np.int64), int(free)
-        size = bucket(len(slots), self.config.max_num_seqs)
-        ids = self._ids(slots, size)
-        n = np.asarray(list(num_tokens) + [0] * (size - len(slots)), np.int32)
-        need, free = jax.device_get((_blocks_needed(self.cache_state, ids, n), free))
-        return np.asarray(need[: len(slots)], np.int64), int(free)
-
-    def num_free_blocks(self) -> int:
-        return int(_num_free(self.cache_state))
-
-    # ------------------------------------------------------------------ steps
-
-    def prefill_area(self) -> int:
-        """The most padded tokens one prefill call computes: ``max_num_batched_tokens``
-        rounded up to a power of two (>= 16)."""
-        return max(bucket(self.config.max_num_batched_tokens, 1 << 30), 16)
-
-    def prefill_shapes(self) -> list[tuple[int, int]]:
-        """Every prefill call shape ``(rows, width)`` ``plan_prefill`` may use, widest first.
-
-        Both are powers of two: width from 16 up to the area ``A`` (``prefill_area``),
-        rows from 1 up to ``max_num_seqs``, with ``rows * width <= A``. A call therefore
-        never computes more than ``A`` padded tokens, and a lone chunk of ``n`` tokens
-        (the common case: a sequence admitted as another finished) costs at most
-        ``max(16, 2n)`` rather than ``A``. At most ``log2(A / 16) + 1`` widths.
-        """
-        cfg = self.config
-        area = self.prefill_area()
-        shapes, width = [], area
-        while width >= 16:
-            rows = 1
-            while rows * width <= area and rows <= cfg.max_num_seqs:
-                shapes.append((rows, width))
-                rows *= 2
-            width //= 2
-        return shapes
-
-    def plan_prefill(self, lengths: list[int]) -> list[tuple[int, int, list[int]]]:
-        """Group chunks into prefill calls: ``[(rows, width, chunk indices), ...]``.
-
-        Longest chunks first; a call's width is the power of two (>= 16) holding its
-        longest chunk, and it takes as many of the next chunks as ``rows * width <= A``
-        allows, its rows padded to a power of two. Padding stays below 2x in each
-        dimension, and a step's chunks (at most ``max_num_batched_tokens`` tokens) go in
-        one call unless their lengths are very uneven.
-        """
-        area = self.prefill_area()
-        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-        calls: list[tuple[int, int, list[int]]] = []
-        while order:
-            width = bucket(max(lengths[order[0]], 1), area, lo=16)
-            take = order[: min(area // width, self.config.max_num_seqs)]
-            order = order[len(take):]
-            calls.append((bucket(len(take), self.config.max_num_seqs), width, take))
-        return calls
-
-    def prefill(
-        self, slots: list[int], chunks: list[list[int]], rows: list[SampleRow], max_blocks: int, shape: tuple[int, int]
-    ) -> StepOut:
-        """Append each chunk to its row and sample a token at each row's last one.
-
-        ``shape``: ``(rows, width)`` from ``plan_prefill``. ``max_blocks``: the most
-        blocks any live row holds after this step; unused: a prefill call attends
-        through the whole table (``max_blocks_per_seq`` columns), so each ``(rows,
-        width)`` shape compiles once, not once per table width. A prefill's attention is
-        a small part of its cost next to its matmuls (e.g. 256 new tokens over 1024
-        keys: ~1/3 of the matmul FLOPs, at the widest), and while long sequences run,
-        which is most of the time, the narrowed width would be the full one anyway.
-        Returns device arrays (fetch them with ``fetch``).
-        """
-        del max_blocks
-        size, width = shape
-        assert len(slots) <= size and max(map(len, chunks)) <= width
-        tokens = np.zeros((size, width), np.int32)
-        num_tokens = np.zeros((size,), np.int32)
-        for i, chunk in enumerate(chunks):
-            tokens[i, : len(chunk)] = chunk
-            num_tokens[i] = len(chunk)
-        return self._run_step(
-            "prefill", self._prefill, tokens, self._ids(slots, size), num_tokens, *self._sampling(rows, size),
-            greedy_only=_all_greedy(rows), width=self.config.max_blocks_per_seq,
-        )
-
-    def plan_decode(self, blocks: list[int]) -> list[tuple[list[int], int]]:
-        """Group decode rows into calls: ``[(row indices, max blocks among them), ...]``.
-
-        ``blocks[i]``: blocks row i holds after its append. A call's attention reads
-        ``decode_size(rows) * table_width(max blocks)`` keys, so one call for a batch of
-        mostly short rows and a few long ones reads mostly padding; splitting it by table
-        width costs one more call (its fixed cost, its own row padding). Rows sorted by
-        length are cut at table-width boundaries, every cut subset is priced with
-        ``decode_cost``, and the cheapest grouping wins (fewest calls on ties). The same
-        rule serves every engine (the static baseline included).
-        """
-        order = sorted(range(len(blocks)), key=lambda i: blocks[i])
-        if not (self.config.split_decode and self.config.narrow_tables) or len(blocks) < 2:
-            return [(order, max(blocks))]
-        widths = [self.table_width(blocks[i]) for i in order]
-        cuts = [k for k in range(1, len(order)) if widths[k] != widths[k - 1]]
-        fixed, per_row, per_key = self.config.decode_cost
-        bs = self.config.block_size
-
-        def cost(lo: int, hi: int) -> float:
-            size = self.decode_size(hi - lo)
-            return fixed + size * (per_row + per_key * widths[hi - 1] * bs)
-
-        best = None
-        for mask in range(1 << len(cuts)):
-            bounds = [0, *(c for j, c in enumerate(cuts) if mask >> j & 1), len(order)]
-            total = sum(cost(a, b) for a, b in zip(bounds, bounds[1:]))
-            key = (total, len(bounds))
-            if best is None or key < best[0]:
-                best = (key, bounds)
-        bounds = best[1]
-        return [(order[a:b], blocks[order[b - 1]]) for a, b in zip(bounds, bounds[1:])]
-
-    def decode_size(self, n: int) -> int:
-        """Rows of a decode call for ``n`` sequences: a multiple of 8 (at least 8, at most
-        ``max_num_seqs``). A padding row costs as much as a real one once the matmuls
-        are compute-bound (CPU, batch >= ~8), so the buckets are finer than powers of two
-        (padding < 8 rows), at the price of at most ``max_num_seqs / 8`` compiled sizes
-        per table width. Below 8 rows the cost barely changes (weights dominate)."""
-        cap = self.config.max_num_seqs
-        return min(max(8, -(-n // 8) * 8), cap)
-
-    def decode(self, slots: list[int], tokens: list[int], rows: list[SampleRow], max_blocks: int) -> StepOut:
-        """Append one token to each row and sample the next (device arrays, padded)."""
-        size = self.decode_size(len(slots))
-        toks = np.asarray(list(tokens) + [0] * (size - len(tokens)), np.int32)
-        return self._run_step(
-            "decode", self._decode, toks, self._ids(slots, size), *self._sampling(rows, size),
-            greedy_only=_all_greedy(rows), width=self.table_width(max_blocks),
-        )
-
-    @staticmethod
-    def _sampling(rows: list[SampleRow], size: int) -> tuple[jax.Array, ...]:
-        """The sampler's per-row arrays, padded to ``size`` with greedy dummy rows."""
-        pad = [*rows, *([_PAD_SAMPLE] * (size - len(rows)))]
-        cols = list(zip(*pad, strict=True))
-        return (
-            np.asarray(cols[0], np.float32),
-            np.asarray(cols[1], np.int32),
-            np.asarray(cols[2], np.float32),
-            np.asarray(cols[3], np.uint32),
-            np.asarray(cols[4], np.int32),
-        )
-
-    @staticmethod
-    def fetch(outs: list[StepOut]) -> list[StepOut]:
-        """Bring step outputs to the host in one sync; raise if any step was rejected
-        (the scheduler made room first, so a rejection is an engine bug)."""
-        host = jax.device_get(outs)
-        for out in host:
-            raise_for_status("step", np.arange(len(out.status)), out.status)
-        return [StepOut(*map(np.asarray, out)) for out in host]
-
-    # ------------------------------------------------------------------ swap
-
-    def swap_out(self, slot: int, num_blocks: int) -> list[np.ndarray]:
-        """Copy the first ``num_blocks`` blocks of ``slot`` to host memory.
-
-        Returns one numpy array per leaf of the block data, block axis first:
-        ``[num_blocks, *block_shape]``. The row itself is left as is (release it next).
-        """
-        # Fetch the whole (small) table and slice on the host: device slicing with a
-        # Python index would compile a program per (slot, length).
-        ids = np.asarray(self.cache_state.block_tables)[slot, :num_blocks]
-        assert (ids >= 0).all(), ids
-        size = bucket(num_blocks, self.config.max_blocks_per_seq)
-        padded = np.concatenate([ids, np.full(size - num_blocks, ids[-1])]).astype(np.int32)
-        data = jax.device_get(jax.tree.leaves(self._read_blocks(self.pages, jnp.asarray(padded))))
-        return [
-            np.moveaxis(np.asarray(leaf), ax, 0)[:num_blocks]
-            for leaf, ax in zip(data, self._block_axes, strict=True)
-        ]
-
-    def swap_in(self, slot: int, num_tokens: int, leaves: list[np.ndarray]) -> None:
-        """Rebuild row ``slot`` holding ``num_tokens`` tokens whose blocks' data is ``leaves``.
-
-        Opens the row and appends ``num_tokens`` fresh slots in one jitted call (fresh
-        blocks from the pool, table row rebuilt, length set), then writes the host data
-        into the new blocks in logical order.
-        """
-        num_blocks = leaves[0].shape[0]
-        assert num_blocks == -(-num_tokens // self.config.block_size)
-        ids = self._ids([slot], 1)
-        self.cache_state, rows, status = _adopt_jit(
-            self.cache_state, ids, np.asarray([num_tokens], np.int32),
-            max_tokens=self.config.max_blocks_per_seq * self.config.block_size,
-        )
-        raise_for_status("swap-in (open + append_slots)", ids, status)
-        new_ids = np.asarray(rows)[0, :num_blocks]
-        size = bucket(num_blocks, self.config.max_blocks_per_seq)
-        # Pad by repeating the last block with its own data: an idempotent write.
-        padded_ids = np.concatenate([new_ids, np.full(size - num_blocks, new_ids[-1])]).astype(np.int32)
-        data = []
-        for leaf, ax in zip(leaves, self._block_axes, strict=True):
-            full = np.concatenate([leaf, np.repeat(leaf[-1:], size - num_blocks, axis=0)])
-            data.append(jnp.asarray(np.moveaxis(full, 0, ax)))
-        self.pages = self._write_blocks(
-            self.pages, jnp.asarray(padded_ids), jax.tree.unflatten(self.block_treedef, data)
-        )
 
     # ------------------------------------------------------------------ debug
 
-    def check(self, held: dict[int, int]) -> None:
-        """Block-manager invariants, and that the device agrees with the scheduler:
-        exactly the rows in ``held`` (slot -> tokens) are live, with those lengths."""
+    def check(self, held: dict[int, int], pending_release: list[int] = ()) -> None:
+        """Block-manager invariants, and that the device agrees with the host: exactly
+        the rows in ``held`` (slot -> tokens) and ``pending_release`` (finished, released
+        next step) are live, ``held`` with those lengths, and ``view`` equals a fresh
+        snapshot. A debug aid: it syncs the device."""
         check_invariants(self.cache_state, op="engine step")
-        active = np.asarray(self.cache_state.active)
-        lens = np.asarray(self.cache_state.seq_lens)
-        live = set(np.flatnonzero(active).tolist())
-        if live != set(held):
-            raise AssertionError(f"device live rows {sorted(live)} != scheduler's {sorted(held)}")
+        fresh = self._fresh_view()
+        live = set(np.flatnonzero(fresh.active).tolist())
+        if live != set(held) | set(pending_release):
+            raise AssertionError(f"device live rows {sorted(live)} != the host's {sorted(held)} + {pending_release}")
         for slot, n in held.items():
-            if lens[slot] != n:
-                raise AssertionError(f"row {slot}: device holds {lens[slot]} tokens, scheduler says {n}")
+            if fresh.seq_lens[slot] != n:
+                raise AssertionError(f"row {slot}: device holds {fresh.seq_lens[slot]} tokens, the host says {n}")
+        if not self.view.same_as(fresh):
+            raise AssertionError("the runner's host view differs from the device's block manager")
+
+    def _fresh_view(self) -> HostView:
+        """A view of the device state now (a sync: construction and debug checks only)."""
+        return HostView.from_snapshot(_snapshot(self.cache_state), self.config.block_size)
+
+    def num_free_blocks(self) -> int:
+        """Free blocks on the device now (a sync; for tests and reports)."""
+        return self._fresh_view().num_free
+

@@ -1,32 +1,36 @@
 """The scheduler: who runs this step, with how many tokens, and who must make room.
 
-Host side only: it holds the queues and decides; every device action goes through the
-``ModelRunner`` (which calls the jitted block-manager ops), every admission decision
-through the cache accounting (paged or static, ``accounting.py``). Checks come paired
-with actions: ``_can_swap_in`` / ``_swap_in``, ``can_admit`` / ``_admit``,
-``_fits`` / ``_preempt``.
+Host side only: it holds the queues of requests (``SequenceGroup``s) and decides; it
+plans every device action into a ``StepPlan`` that the ``ModelRunner`` executes, and it
+counts blocks on the runner's ``HostView`` (the block manager's own answers as of the
+last step, moved forward through the releases, forks and restores the plan makes), so
+counting is exact when completions share blocks, and no decision syncs the device. Every
+admission decision goes through the cache accounting (paged or static,
+``accounting.py``).
 
 One step (``schedule``), under a token budget of ``max_num_batched_tokens``:
 
-1. Running sequences: every decoding one (one pending token) gets 1 token; then those
-   in the middle of a chunked prefill get the next chunk, in admission order, while
-   the budget lasts. Before anything runs, the blocks all these appends need
-   (``blocks_needed``: new blocks plus copy-on-write targets) must fit in the free pool;
-   while they do not, the victim policy picks a running sequence to preempt and the
-   plan is redone without it.
-2. If nothing was preempted this step: swapped sequences come back (oldest first) while
-   their blocks plus one more token fit above the watermark.
-3. If nothing was preempted and nothing is still swapped out: waiting requests are
-   admitted (FIFO; recompute-preempted ones sit at the front) while a table row is free,
+1. Rows of sequences that finished last step are released.
+2. Running requests: every decoding sequence (one pending token) gets 1 token; then those
+   in the middle of a chunked prefill get the next chunk, in admission order, while the
+   budget lasts. The blocks all these appends need (``HostView.blocks_needed``: new
+   blocks plus copy-on-write targets) must fit in the free pool; while they do not, the
+   victim policy picks a running request to preempt (the whole group) and the plan is
+   redone without it.
+3. If nothing was preempted this step: swapped requests come back (oldest first) while
+   their blocks plus their next appends fit above the watermark.
+4. If nothing was preempted and nothing is still swapped out: waiting requests are
+   admitted (FIFO; recompute-preempted ones sit at the front) while table rows are free,
    the budget lasts, and the accounting admits them. Their first chunk runs this step.
 
-Preemption (seed M5), ``preemption_mode``:
+Preemption, ``preemption_mode``:
 
-- ``"recompute"``: release the victim's blocks; it goes to the front of the waiting
-  queue with nothing computed, and is later prefilled again from prompt + output so far.
-- ``"swap"``: copy its blocks to the host swap pool, release the device blocks; it
-  comes back through step 2 into fresh device blocks. When the host pool cannot take
-  it, the victim is recomputed instead (counted as a swap fallback).
+- ``"recompute"``: release the victim's rows; it goes to the front of the waiting queue
+  with nothing computed, and is later prefilled again from prompt + output so far.
+- ``"swap"``: copy its blocks to the host swap pool (a block its completions share goes
+  once), release the device rows; it comes back through step 3 into fresh device blocks
+  with the same sharing. When the host pool cannot take it, it is recomputed instead
+  (counted as a swap fallback).
 """
 
 from __future__ import annotations
@@ -34,10 +38,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from paged_jax.engine.accounting import blocks_for
-from paged_jax.engine.runner import ModelRunner
-from paged_jax.engine.sequence import SeqStatus, Sequence
-from paged_jax.engine.swap import HostSwapPool
+from paged_jax.cache import HostView
+from paged_jax.config import blocks_for
+from paged_jax.engine.runner import ModelRunner, SampleRow, StepPlan, SwapIn, Work
+from paged_jax.engine.sequence import SeqStatus, Sequence, SequenceGroup
 from paged_jax.engine.victim import VictimPolicy, get_victim_policy
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -68,27 +72,6 @@ class SchedulerConfig:
 
 
 @dataclasses.dataclass
-class StepPlan:
-    """What one step runs: ``(sequence, tokens to feed)`` pairs, each sequence once."""
-
-    work: list[tuple[Sequence, int]]
-
-    @property
-    def decode(self) -> list[Sequence]:
-        """Single-token appends: they go through the decode step."""
-        return [s for s, n in self.work if n == 1]
-
-    @property
-    def prefill(self) -> list[tuple[Sequence, int]]:
-        """Multi-token chunks: they go through the prefill step."""
-        return [(s, n) for s, n in self.work if n > 1]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.work)
-
-
-@dataclasses.dataclass
 class SchedulerCounters:
     preemptions: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # by mode
     swap_outs: int = 0
@@ -98,94 +81,116 @@ class SchedulerCounters:
     blocks_swapped_in: int = 0
 
 
+@dataclasses.dataclass
+class ScheduledStep:
+    """A plan and the sequences behind its work items (``seqs[i]`` feeds ``plan.work[i]``)."""
+
+    plan: StepPlan
+    seqs: list[Sequence]
+    swapped_out: list[SequenceGroup]  # aligned with plan.swap_out
+
+
 class Scheduler:
     """Queues and decisions. ``accounting`` is a ``PagedAccounting`` or ``StaticAccounting``."""
 
-    def __init__(self, config: SchedulerConfig, runner: ModelRunner, accounting, swap_pool: HostSwapPool | None):
+    def __init__(self, config: SchedulerConfig, runner: ModelRunner, accounting, *, swapping: bool):
         self.config = config
         self.runner = runner
         self.accounting = accounting
-        self.swap_pool = swap_pool
-        self.waiting: collections.deque[Sequence] = collections.deque()
-        self.running: list[Sequence] = []  # admission order
-        self.swapped: collections.deque[Sequence] = collections.deque()
+        self.swapping = swapping
+        self.waiting: collections.deque[SequenceGroup] = collections.deque()
+        self.running: list[SequenceGroup] = []  # admission order
+        self.swapped: collections.deque[SequenceGroup] = collections.deque()
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))  # stack, row 0 first
+        self._to_release: list[int] = []  # rows of sequences that finished last step
         self._clock = 0  # admissions so far: the victim policy's notion of "recent"
         self.counters = SchedulerCounters()
-        # Host mirror of the pool's free count. The engine never shares a block (one
-        # completion per request, no prefix cache), so every running sequence holds
-        # exactly ceil(num_computed / block_size) blocks of its own, and the scheduler
-        # can count on the host instead of syncing the device before each step. The
-        # engine resets it from the device after every step (the count comes back with
-        # the sampled tokens) and, with debug checks, compares it with the device.
-        self.num_free = runner.num_free_blocks()
-        self.debug = False  # cross-check host block arithmetic against the device
 
     # ------------------------------------------------------------------ queues
 
-    def add(self, seq: Sequence) -> None:
-        seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+    def add(self, group: SequenceGroup) -> None:
+        group.status = SeqStatus.WAITING
+        self.waiting.append(group)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    @property
+    def view(self) -> HostView:
+        """The block manager as the host knows it now: the runner's view of the last step,
+        less the rows released since."""
+        return self.runner.view.released(self._to_release)
+
     # ------------------------------------------------------------------ one step
 
-    def schedule(self) -> StepPlan:
-        """Decide this step's work, doing the preemptions, swap-ins and admissions it needs."""
+    def schedule(self) -> ScheduledStep:
+        """Decide this step's work and plan the releases, preemptions, swaps and admissions
+        it needs."""
         cfg = self.config
+        plan = StepPlan(release=self._to_release)
+        self._to_release = []
+        view = self.runner.view.released(plan.release)
+        swapped_out: list[SequenceGroup] = []
         budget = cfg.max_num_batched_tokens
         preempted = False
         while True:
             work = self._plan_running(budget)
-            need = self._blocks_needed(work)
-            if need <= self.num_free:
+            need = int(view.blocks_needed([s.slot for s, _ in work], [n for _, n in work]).sum())
+            if need <= view.num_free:
                 break
-            self._preempt(self._pick_victim())
+            view = self._preempt(self._pick_victim(view), plan, view, swapped_out)
             preempted = True
-        free = self.num_free - need
+        free = view.num_free - need
         budget -= sum(n for _, n in work)
         # Kept free for the running sequences' growth over the next steps (paged only:
         # static reservations already cover growth).
         reserve = self._growth_reserve(work) if self.accounting.may_preempt else 0
 
         if not preempted:
-            while self.swapped and budget >= 1 and len(self.running) < cfg.max_num_seqs:
-                seq = self.swapped[0]
-                n = min(seq.num_pending, budget)  # 1 unless swapped mid-prefill
-                if not self._can_swap_in(seq, n, free - reserve):
+            while self.swapped and budget >= len(self.swapped[0].live) and self._rows_for(self.swapped[0]):
+                group = self.swapped[0]
+                slots = self._free_slots[-len(group.live):][::-1]
+                returning = view.restored(slots, group.swapped.lens, group.swapped.local_tables,
+                                          len(group.swapped.host_ids))
+                items = [(s, min(s.num_pending, max(budget // len(slots), 1))) for s in group.live]
+                grow = int(returning.blocks_needed(slots, [n for _, n in items]).sum())
+                held = len(group.swapped.host_ids)
+                if not self.accounting.can_admit(held + grow, free - reserve, bool(self.running), len(slots)):
                     break
                 self.swapped.popleft()
-                self._swap_in(seq)
-                work.append((seq, n))
-                free -= blocks_for(seq.num_tokens, cfg.block_size)
-                budget -= n
+                self._swap_in(group, slots, plan)
+                view = returning
+                work += items
+                free -= held + grow
+                budget -= sum(n for _, n in items)
 
         if not preempted and not self.swapped:
-            while self.waiting and budget >= 1 and len(self.running) < cfg.max_num_seqs:
-                seq = self.waiting[0]
-                if not self.accounting.can_admit(seq.num_tokens, free - reserve, bool(self.running)):
+            while self.waiting and budget >= 1 and self._rows_for(self.waiting[0]):
+                group = self.waiting[0]
+                blocks = blocks_for(group.num_tokens, cfg.block_size)
+                if not self.accounting.can_admit(blocks, free - reserve, bool(self.running), len(group.live)):
                     break
                 self.waiting.popleft()
-                self._admit(seq)
-                n = min(seq.num_pending, budget)
-                work.append((seq, n))
+                self._admit(group, plan)
+                for seq in group.live:
+                    n = min(seq.num_pending, budget)
+                    if n >= 1:
+                        work.append((seq, n))
+                        budget -= n
                 # Charge the whole prompt now: its later chunks must not be promised away.
-                free -= blocks_for(seq.num_tokens, cfg.block_size)
-                budget -= n
-        return StepPlan(work)
+                free -= blocks
+        plan.work = [self._work(s, n) for s, n in work]
+        return ScheduledStep(plan, [s for s, _ in work], swapped_out)
 
-    def _blocks_needed(self, work: list[tuple[Sequence, int]]) -> int:
-        """New blocks the appends of ``work`` take (host arithmetic: nothing is shared,
-        so there are no copy-on-write targets). Checked against the block manager's own
-        ``blocks_needed`` when ``debug`` is on."""
-        bs = self.config.block_size
-        need = [blocks_for(s.num_computed + n, bs) - blocks_for(s.num_computed, bs) for s, n in work]
-        if self.debug:
-            device, free = self.runner.blocks_needed([s.slot for s, _ in work], [n for _, n in work])
-            assert device.tolist() == need and free == self.num_free, (device.tolist(), need, free, self.num_free)
-        return sum(need)
+    def _rows_for(self, group: SequenceGroup) -> bool:
+        return len(self._free_slots) >= len(group.live)
+
+    @staticmethod
+    def _work(seq: Sequence, n: int) -> Work:
+        # The token index is the output length: the same whenever this token is sampled.
+        p = seq.params
+        return Work(seq.slot, seq.pending_token_ids(n),
+                    SampleRow(p.temperature, p.top_k, p.top_p, seq.seed, len(seq.output_token_ids)))
 
     def _growth_reserve(self, work: list[tuple[Sequence, int]]) -> int:
         """Blocks the running sequences will take over the next ``admission_lookahead``
@@ -199,17 +204,19 @@ class Scheduler:
         bs = self.config.block_size
         after = {id(s): s.num_computed + n for s, n in work}
         total = 0
-        for s in self.running:
-            held = after.get(id(s), s.num_computed)
-            final = len(s.prompt_token_ids) + s.max_tokens
-            total += blocks_for(min(s.num_tokens + k, final), bs) - blocks_for(held, bs)
+        for group in self.running:
+            for s in group.live:
+                held = after.get(id(s), s.num_computed)
+                final = len(s.prompt_token_ids) + s.max_tokens
+                total += blocks_for(min(s.num_tokens + k, final), bs) - blocks_for(held, bs)
         return total
 
     def _plan_running(self, budget: int) -> list[tuple[Sequence, int]]:
         """Decodes first (1 token each), then prefill chunks in admission order."""
-        work = [(s, 1) for s in self.running if s.num_pending == 1]
+        live = [s for group in self.running for s in group.live]
+        work = [(s, 1) for s in live if s.num_pending == 1]
         budget -= len(work)
-        for s in self.running:
+        for s in live:
             if s.num_pending > 1 and budget > 0:
                 n = min(s.num_pending, budget)
                 work.append((s, n))
@@ -219,87 +226,97 @@ class Scheduler:
     # ------------------------------------------------------------------ after the step
 
     def finish(self, seqs: list[Sequence]) -> None:
-        """Free what finished sequences hold (their rows and blocks, last partial one included)."""
-        if not seqs:
-            return
-        self.runner.release([s.slot for s in seqs])
+        """Sequences that finished this step: their rows are released at the start of the
+        next step (or by ``LLMEngine.flush``); a group whose members are all done leaves."""
         for s in seqs:
-            self.num_free += blocks_for(s.num_computed, self.config.block_size)
-            self.running.remove(s)
-            self._return_slot(s)
-            s.status = SeqStatus.FINISHED
+            self._to_release.append(s.slot)
+            self._free_slots.append(s.slot)
+            s.slot = None
+            self.accounting.on_release(1)
+        for group in {id(s.group): s.group for s in seqs if s.group.finished}.values():
+            self.running.remove(group)
+            group.status = SeqStatus.FINISHED
+
+    @property
+    def pending_rows(self) -> list[int]:
+        """Rows of sequences finished last step, not yet released."""
+        return list(self._to_release)
+
+    def pending_release(self) -> StepPlan | None:
+        """A plan that only releases the rows finished in the last step (None if none)."""
+        if not self._to_release:
+            return None
+        plan = StepPlan(release=self._to_release)
+        self._to_release = []
+        return plan
+
+    def swapped_out(self, groups: list[SequenceGroup], blocks) -> None:
+        """The runner copied ``groups``' blocks to the host: remember where."""
+        for group, b in zip(groups, blocks, strict=True):
+            group.swapped = b
 
     # ------------------------------------------------------------------ admission
 
-    def _admit(self, seq: Sequence) -> None:
-        seq.slot = self._free_slots.pop()
-        self.runner.open([seq.slot])
-        self.accounting.on_admit(seq)
-        self._clock += 1
-        seq.admitted_at = self._clock
-        seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
+    def _admit(self, group: SequenceGroup, plan: StepPlan) -> None:
+        for seq in group.live:
+            seq.slot = self._free_slots.pop()
+            plan.open.append(seq.slot)
+        self._start(group)
 
-    def _return_slot(self, seq: Sequence) -> None:
-        self.accounting.on_release(seq)
-        self._free_slots.append(seq.slot)
-        seq.slot = None
+    def _start(self, group: SequenceGroup) -> None:
+        self.accounting.on_admit(len(group.live))
+        self._clock += 1
+        group.admitted_at = self._clock
+        group.status = SeqStatus.RUNNING
+        self.running.append(group)
 
     # ------------------------------------------------------------------ preemption
 
-    def _pick_victim(self) -> Sequence:
+    def _pick_victim(self, view: HostView) -> SequenceGroup:
         if not self.accounting.may_preempt:
             raise AssertionError("static reservations ran out of blocks: accounting bug")
-        infos = [s.info(blocks_for(s.num_computed, self.config.block_size)) for s in self.running]
+        infos = [g.info(view.blocks_held([s.slot for s in g.live])) for g in self.running]
         return self.running[self.config.victim_policy(infos)]
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        seq.num_preemptions += 1
+    def _preempt(self, group: SequenceGroup, plan: StepPlan, view: HostView, swapped_out: list) -> HostView:
+        """Plan the victim's preemption; returns the view without its rows."""
+        self.running.remove(group)
+        group.num_preemptions += 1
+        slots = [s.slot for s in group.live]
+        self.accounting.on_release(len(slots))
+        for s in group.live:
+            self._free_slots.append(s.slot)
+            s.slot = None
         if self.config.preemption_mode == "swap":
-            num_blocks = blocks_for(seq.num_computed, self.config.block_size)
-            if num_blocks and self.swap_pool is not None and self.swap_pool.can_store(num_blocks):
-                self._swap_out(seq, num_blocks)
-                return
+            blocks = view.blocks_held(slots)
+            planned = sum(view.blocks_held(rows) for rows in plan.swap_out)
+            if blocks and self.swapping and self.runner.swap_pool.can_store(planned + blocks):
+                plan.swap_out.append(slots)
+                swapped_out.append(group)
+                group.status = SeqStatus.SWAPPED
+                self.swapped.appendleft(group)
+                self.counters.preemptions["swap"] += 1
+                self.counters.swap_outs += 1
+                self.counters.blocks_swapped_out += blocks
+                return view.released(slots)
             self.counters.swap_fallbacks += 1
-        self.runner.release([seq.slot])
-        self.num_free += blocks_for(seq.num_computed, self.config.block_size)
-        self._return_slot(seq)
-        seq.num_computed = 0
-        seq.status = SeqStatus.WAITING
+        plan.release += slots
+        for s in group.live:
+            s.num_computed = 0
+        group.status = SeqStatus.WAITING
         # appendleft: victims are taken newest first, so older ones end up in front.
-        self.waiting.appendleft(seq)
+        self.waiting.appendleft(group)
         self.counters.preemptions["recompute"] += 1
+        return view.released(slots)
 
     # ------------------------------------------------------------------ swap
 
-    def _swap_out(self, seq: Sequence, num_blocks: int) -> None:
-        data = self.runner.swap_out(seq.slot, num_blocks)
-        seq.host_blocks = self.swap_pool.store(data)
-        self.runner.release([seq.slot])
-        self.num_free += num_blocks
-        self._return_slot(seq)
-        seq.status = SeqStatus.SWAPPED
-        self.swapped.appendleft(seq)
-        self.counters.preemptions["swap"] += 1
-        self.counters.swap_outs += 1
-        self.counters.blocks_swapped_out += num_blocks
-
-    def _can_swap_in(self, seq: Sequence, num_new: int, free: int) -> bool:
-        # Its blocks plus room for the tokens it runs right after.
-        return self.accounting.can_admit(seq.num_computed + num_new, free, bool(self.running))
-
-    def _swap_in(self, seq: Sequence) -> None:
-        slot = self._free_slots.pop()
-        self.runner.swap_in(slot, seq.num_computed, self.swap_pool.load(seq.host_blocks))
-        self.num_free -= len(seq.host_blocks)
-        self.swap_pool.free(seq.host_blocks)
+    def _swap_in(self, group: SequenceGroup, slots: list[int], plan: StepPlan) -> None:
+        for seq, slot in zip(group.live, slots, strict=True):
+            self._free_slots.remove(slot)
+            seq.slot = slot
+        plan.swap_in.append(SwapIn(slots, group.swapped))
         self.counters.swap_ins += 1
-        self.counters.blocks_swapped_in += len(seq.host_blocks)
-        seq.host_blocks = None
-        seq.slot = slot
-        self.accounting.on_admit(seq)
-        self._clock += 1
-        seq.admitted_at = self._clock
-        seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
+        self.counters.blocks_swapped_in += len(group.swapped.host_ids)
+        group.swapped = None
+        self._start(group)

@@ -1,28 +1,35 @@
-"""One request's host-side life: its tokens, where its KV lives, and why it stopped.
+"""Requests and their completions on the host: tokens, where their KV lives, why they stopped.
 
-A ``Sequence`` is mutable host bookkeeping owned by the scheduler; nothing on the device
-refers to it. Its KV state is summarised by two numbers:
+A ``SequenceGroup`` is one request: its prompt, its sampling parameters and its member
+``Sequence``s (one per completion; a plain request has one). The scheduler admits,
+preempts and swaps whole groups, because the members of a group may share KV blocks
+(forked from the same prompt): preempting one member alone would free little and
+recomputing it alone would lose the sharing. Members finish one by one; a group is done
+when every member is.
+
+A ``Sequence`` is one completion's mutable bookkeeping; nothing on the device refers to it.
+Its KV state is summarised by two numbers:
 
 - ``num_computed``: tokens whose K/V are in the cache (device pages, or the host swap
   pool while swapped). The device's ``seq_lens[slot]`` equals it while the sequence runs.
-- ``pending``: ``all_token_ids[num_computed:]``, the tokens still to be fed to the model.
-  A decoding sequence has exactly one pending token (the last one sampled); a fresh or
+- pending tokens: prompt + output from ``num_computed`` on, still to be fed to the model.
+  A decoding sequence has exactly one (the last one sampled); a fresh or
   recompute-preempted one has its whole prompt (plus earlier output) pending.
 
-``SeqInfo`` is the frozen snapshot a victim policy sees, so the policy stays a pure
-function of plain values.
+``SeqInfo`` is the frozen snapshot of a running group that a victim policy sees, so the
+policy stays a pure function of plain values.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # not holding KV: new, or preempted by recompute
-    RUNNING = "running"  # holds a table row and device blocks
+    RUNNING = "running"  # holds table rows and device blocks
     SWAPPED = "swapped"  # its KV lives in the host swap pool
     FINISHED = "finished"
 
@@ -34,34 +41,33 @@ class FinishReason(enum.StrEnum):
 
 @dataclasses.dataclass(eq=False)
 class Sequence:
-    """A request being served (one completion; parallel sampling is a later issue).
+    """One completion of a request.
 
     Attributes:
-      request_id: the public id (``str``), unique per engine.
-      index: position in the ``generate`` call's prompt list (output order).
-      prompt_token_ids: the prompt, at least one token.
+      request_id: the public id of its request (``str``), unique per engine.
+      index: its request's position in the ``generate`` call's prompt list.
+      prompt_token_ids: the request's prompt, at least one token.
       params: the request's ``SamplingParams``.
-      seed: uint32 sampling seed (the request's own, or derived from the engine seed and
-        the request id), so samples never depend on batch composition.
+      seed: uint32 sampling seed of this completion (from the request's seed and the
+        completion index), so samples never depend on batch composition.
       max_tokens: output tokens allowed: ``params.max_tokens`` capped so that the whole
         sequence fits in ``max_model_len``.
+      completion: which completion of the request it is (0 .. n - 1).
     """
 
     request_id: str
     index: int
     prompt_token_ids: tuple[int, ...]
-    params: object  # SamplingParams (kept untyped: llm.py imports this module)
+    params: Any  # SamplingParams (untyped: llm.py imports this module)
     seed: int
     max_tokens: int
+    completion: int = 0
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     cumulative_logprob: float = 0.0
-    status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     num_computed: int = 0  # tokens with K/V in the cache (see module docstring)
-    slot: int | None = None  # block-table row while RUNNING
-    host_blocks: list[int] | None = None  # swap-pool block ids while SWAPPED
-    admitted_at: int = -1  # scheduler clock at the latest admission (victim order)
-    num_preemptions: int = 0
+    slot: int | None = None  # block-table row while its group runs
+    group: SequenceGroup | None = dataclasses.field(default=None, repr=False)  # set by the group
 
     @property
     def num_tokens(self) -> int:
@@ -69,13 +75,13 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return [*self.prompt_token_ids, *self.output_token_ids]
-
-    @property
     def num_pending(self) -> int:
         """Tokens not yet in the KV cache; 1 for a decoding sequence."""
         return self.num_tokens - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
     def pending_token_ids(self, n: int) -> list[int]:
         """The next ``n`` tokens to feed the model (the first ``n`` pending ones)."""
@@ -88,9 +94,50 @@ class Sequence:
             out += self.output_token_ids[lo : lo + n - len(out)]
         return out
 
+
+@dataclasses.dataclass(eq=False)
+class SequenceGroup:
+    """One request: its prompt, its parameters and its completions (``seqs``).
+
+    Attributes:
+      seqs: the members, completion 0 first.
+      status: where the group's KV lives (``SeqStatus``).
+      admitted_at: scheduler clock at its latest admission (victim order).
+      num_preemptions: times the group was preempted.
+      swapped: while SWAPPED, the host copy of its blocks (``swap.SwappedBlocks``).
+    """
+
+    request_id: str
+    index: int
+    prompt_token_ids: tuple[int, ...]
+    params: Any
+    seqs: list[Sequence]
+    status: SeqStatus = SeqStatus.WAITING
+    admitted_at: int = -1
+    num_preemptions: int = 0
+    swapped: Any = None
+
+    def __post_init__(self):
+        for seq in self.seqs:
+            seq.group = self
+
     @property
-    def is_finished(self) -> bool:
-        return self.status is SeqStatus.FINISHED
+    def live(self) -> list[Sequence]:
+        """Members still generating."""
+        return [s for s in self.seqs if not s.finished]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        """The longest live member's prompt + output (what admission must make room for)."""
+        return max((s.num_tokens for s in self.live), default=0)
+
+    @property
+    def num_computed(self) -> int:
+        return max((s.num_computed for s in self.live), default=0)
 
     def info(self, num_blocks: int) -> SeqInfo:
         return SeqInfo(
@@ -101,16 +148,18 @@ class Sequence:
             num_computed=self.num_computed,
             num_blocks=num_blocks,
             num_preemptions=self.num_preemptions,
+            num_seqs=len(self.live),
         )
 
 
 class SeqInfo(NamedTuple):
-    """What a victim policy may look at, for one running sequence."""
+    """What a victim policy may look at, for one running request (group)."""
 
     request_id: str
     index: int  # position in the generate call
     admitted_at: int  # scheduler clock at its latest admission; larger = more recent
-    num_tokens: int  # prompt + output so far
-    num_computed: int  # tokens whose KV it holds
-    num_blocks: int  # device blocks it holds (ceil(num_computed / block_size))
+    num_tokens: int  # prompt + output so far (its longest live completion)
+    num_computed: int  # tokens whose KV it holds (its longest live completion)
+    num_blocks: int  # device blocks it holds, a block its completions share counted once
     num_preemptions: int  # times it was preempted before
+    num_seqs: int = 1  # live completions

@@ -6,10 +6,10 @@ the step's appends and before finished sequences are released. The summary avera
 over steps (each step weighs the same: a time average in units of steps).
 
 Each step's wall time is also split into phases (``phase_seconds``): ``schedule`` (host
-decisions, with the block-manager calls they make: open, release, swap), ``dispatch``
-(building the padded arrays and enqueueing the jitted calls), ``sync`` (waiting for the
-device: the step's compute, since dispatch is asynchronous) and ``update`` (appending
-tokens, releasing the finished). ``timeline`` keeps one ``StepRecord`` per step for plots.
+decisions: the plan), ``run`` (the runner executing it: building the padded arrays,
+enqueueing the jitted calls and waiting for the step's one device fetch, i.e. the
+compute) and ``update`` (appending tokens, finishing sequences). ``timeline`` keeps one
+``StepRecord`` per step for plots.
 
 Saturation: an offline run has two phases. While requests still wait for admission
 (waiting or swapped out), the engine runs at its capacity, which is what a serving

@@ -1,26 +1,42 @@
-"""The host swap pool: KV blocks of swapped-out sequences, in numpy, with a free list.
+"""The host swap pool: KV blocks of swapped-out requests, in NumPy, with a free list.
 
-A second tier of blocks in host memory (seed M5, M10). It is deliberately not the device
-block manager: the host pool has its own capacity (``swap_space_blocks``), holds each
-swapped sequence's blocks privately (ref count 1: there is no sharing between swapped
-sequences), and needs nothing but a LIFO free list. Pure numpy; the runner moves data
-between it and the device pages.
+A second tier of blocks in host memory. It is deliberately not the device block manager:
+it has its own capacity (``swap_space_blocks``) and needs nothing but a LIFO free list,
+because a swapped request is stored as a whole. Its completions may share device blocks
+(forked from one prompt); the pool holds each shared block once, and ``SwappedBlocks``
+records which member names which, so the swap-in rebuilds the same sharing
+(``cache.restore_rows``).
 
-A block's data is whatever the KV page store keeps for one block (K and V today, scales
-too once quantised KV lands, ROADMAP): the pool stores one numpy array per leaf of that
-pytree, with the block axis moved to the front, so it never needs to know the layout.
+A block's data is whatever the KV page store keeps for one block (every leaf's slice at
+the block axis: K and V, and scales for quantised pages): the pool keeps one NumPy array
+per leaf with the block axis moved to the front, so it never needs to know the layout.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
+from paged_jax.kv.pages import BLOCK_AXIS
+
 
 class SwapPoolFullError(RuntimeError):
-    """The host pool cannot take a sequence's blocks (the scheduler checks first)."""
+    """The host pool cannot take a request's blocks (the scheduler checks first)."""
+
+
+class SwappedBlocks(NamedTuple):
+    """A swapped-out request: its distinct blocks in the host pool and who names which.
+
+    ``host_ids[i]`` holds the request's i-th distinct device block; member ``m`` held
+    ``lens[m]`` tokens in the blocks ``local_tables[m, :ceil(lens[m] / block_size)]``
+    (indices into ``host_ids``; ``NO_BLOCK`` past them).
+    """
+
+    host_ids: list[int]
+    local_tables: np.ndarray  # int32[members, max_blocks_per_seq]
+    lens: list[int]
 
 
 class HostSwapPool:
@@ -29,11 +45,11 @@ class HostSwapPool:
     Args:
       capacity: blocks the pool can hold (>= 0; 0 disables swapping).
       block_leaves: ``[(shape, dtype), ...]`` of one block's data per pytree leaf, block
-        axis removed (e.g. ``(num_layers, num_kv_heads, block_size, head_dim)`` for K).
+        axis removed (``for_pages`` derives them from the device page store).
       treedef: the pytree structure of a block's data.
     """
 
-    def __init__(self, capacity: int, block_leaves: list[tuple[tuple[int, ...], Any]], treedef):
+    def __init__(self, capacity: int, block_leaves, treedef):
         if capacity < 0:
             raise ValueError(f"swap_space_blocks={capacity}: must be >= 0")
         self.capacity = capacity
@@ -42,35 +58,44 @@ class HostSwapPool:
         # A stack: block 0 on top, so a fresh pool fills in address order.
         self._free = list(range(capacity - 1, -1, -1))
 
-    # --------------------------------------------------------------------- accounting
+    @classmethod
+    def for_pages(cls, capacity: int, pages) -> HostSwapPool:
+        """A pool for blocks of ``pages`` (the store or its ``jax.eval_shape``): each leaf
+        ``[..., num_blocks, block_size, F]`` gives a host leaf ``[capacity, ..., block_size, F]``."""
+        leaves, treedef = jax.tree.flatten(pages)
+        block_leaves = []
+        for leaf in leaves:
+            shape = list(leaf.shape)
+            del shape[len(shape) + BLOCK_AXIS]
+            block_leaves.append((tuple(shape), leaf.dtype))
+        return cls(capacity, block_leaves, treedef)
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    @property
-    def num_used(self) -> int:
-        return self.capacity - len(self._free)
-
-    @property
-    def bytes_per_block(self) -> int:
-        return sum(leaf[0].nbytes for leaf in self.leaves) if self.capacity else 0
-
     def can_store(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free)
 
-    # --------------------------------------------------------------------- data
+    def reserve(self, num_blocks: int) -> list[int]:
+        """Take ``num_blocks`` host blocks for data that ``write`` fills in later."""
+        if not self.can_store(num_blocks):
+            raise SwapPoolFullError(
+                f"host swap pool: {num_blocks} blocks wanted, {self.num_free} free of {self.capacity}"
+            )
+        return [self._free.pop() for _ in range(num_blocks)]
 
     def store(self, leaves_block_first: list[np.ndarray]) -> list[int]:
-        """Copy ``n`` blocks in (one array per leaf, shape ``[n, *block_shape]``);
-        returns their host ids, in the given order."""
-        n = leaves_block_first[0].shape[0]
-        if not self.can_store(n):
-            raise SwapPoolFullError(f"host swap pool: {n} blocks wanted, {self.num_free} free of {self.capacity}")
-        ids = [self._free.pop() for _ in range(n)]
-        for pool_leaf, data in zip(self.leaves, leaves_block_first, strict=True):
-            pool_leaf[ids] = data
+        """Copy ``n`` blocks in (one array per leaf, ``[n, *block_shape]``); returns their
+        host ids, in the given order."""
+        ids = self.reserve(leaves_block_first[0].shape[0])
+        self.write(ids, leaves_block_first)
         return ids
+
+    def write(self, ids: list[int], leaves_block_first: list[np.ndarray]) -> None:
+        """Fill reserved blocks ``ids`` (one array per leaf, ``[len(ids), *block_shape]``)."""
+        for pool_leaf, data in zip(self.leaves, leaves_block_first, strict=True):
+            pool_leaf[ids] = data[: len(ids)]
 
     def load(self, ids: list[int]) -> list[np.ndarray]:
         """The blocks ``ids`` (one array per leaf, ``[len(ids), *block_shape]``)."""
@@ -84,7 +109,7 @@ class HostSwapPool:
         self._free.extend(reversed(ids))
 
     def check(self, held: list[list[int]]) -> None:
-        """Invariant: every block is either free or held by exactly one swapped sequence."""
+        """Invariant: every block is either free or held by exactly one swapped request."""
         flat = [i for ids in held for i in ids]
         every = sorted(flat + self._free)
         if every != list(range(self.capacity)):
@@ -92,27 +117,3 @@ class HostSwapPool:
                 f"host swap pool inconsistent: {len(flat)} held + {len(self._free)} free "
                 f"!= {self.capacity}, or a block is named twice"
             )
-
-
-def block_layout(read_blocks, pages) -> tuple[list[tuple[tuple[int, ...], Any]], Any, list[int]]:
-    """Find how ``read_blocks(pages, ids)`` lays out blocks, without running it.
-
-    Returns ``(block_leaves, treedef, block_axes)``: each leaf's per-block shape and
-    dtype, the pytree structure, and which axis of each leaf indexes the blocks (the one
-    whose size follows ``len(ids)``).
-    """
-    import jax.numpy as jnp
-
-    one = jax.eval_shape(read_blocks, pages, jax.ShapeDtypeStruct((1,), jnp.int32))
-    two = jax.eval_shape(read_blocks, pages, jax.ShapeDtypeStruct((2,), jnp.int32))
-    leaves1, treedef = jax.tree.flatten(one)
-    leaves2 = jax.tree.leaves(two)
-    block_leaves, axes = [], []
-    for a, b in zip(leaves1, leaves2, strict=True):
-        diff = [i for i, (x, y) in enumerate(zip(a.shape, b.shape, strict=True)) if x != y]
-        if len(diff) != 1 or a.shape[diff[0]] != 1:
-            raise ValueError(f"read_blocks output {a.shape} has no single block axis")
-        ax = diff[0]
-        axes.append(ax)
-        block_leaves.append((a.shape[:ax] + a.shape[ax + 1 :], a.dtype))
-    return block_leaves, treedef, axes

@@ -2,15 +2,12 @@
 
 from paged_jax.kv.pages import (
     BLOCK_AXIS,
-    NO_BLOCK,
-    NO_SLOT,
+    OFFSET_AXIS,
     KVPages,
     bytes_per_block,
     bytes_per_token,
-    canonical_dtype,
     copy_blocks,
     init_pages,
-    kv_bytes_per_token,
     poison_free_blocks,
     read_blocks,
     write_blocks,
@@ -18,7 +15,6 @@ from paged_jax.kv.pages import (
 )
 
 __all__ = [
-    "BLOCK_AXIS", "NO_BLOCK", "NO_SLOT", "KVPages", "bytes_per_block", "bytes_per_token",
-    "canonical_dtype", "copy_blocks", "init_pages", "kv_bytes_per_token", "poison_free_blocks",
-    "read_blocks", "write_blocks", "write_tokens",
+    "BLOCK_AXIS", "OFFSET_AXIS", "KVPages", "bytes_per_block", "bytes_per_token", "copy_blocks",
+    "init_pages", "poison_free_blocks", "read_blocks", "write_blocks", "write_tokens",
 ]

@@ -29,26 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-NO_SLOT = -1  # slot-mapping entry of a padding token: nothing is written
-NO_BLOCK = -1  # block id that names no block: skipped by copy/read/write helpers
+from paged_jax.cache.sentinels import NO_BLOCK
+from paged_jax.dtypes import float_dtype
 
 BLOCK_AXIS = -3  # block axis of every leaf, counted from the end
 OFFSET_AXIS = -2  # in-block token offset axis of every leaf
-
-_DTYPES = {
-    "float32": jnp.float32,
-    "bfloat16": jnp.bfloat16,
-    "float16": jnp.float16,
-}
-
-
-def canonical_dtype(dtype) -> jnp.dtype:
-    """``jnp.dtype`` for a page dtype given as a name or a dtype; fp32, bf16 or fp16 only."""
-    name = jnp.dtype(dtype).name if not isinstance(dtype, str) else dtype
-    if name not in _DTYPES:
-        raise ValueError(f"dtype={dtype!r}: page dtype must be one of {sorted(_DTYPES)}")
-    return jnp.dtype(_DTYPES[name])
-
 
 @struct.dataclass
 class KVPages:
@@ -82,10 +67,6 @@ class KVPages:
     def dtype(self) -> jnp.dtype:
         return self.k.dtype
 
-    def layer(self, index: int) -> KVPages:
-        """One layer's pages ``[Hkv, N, bs, D]`` (a slice; for reading)."""
-        return jax.tree.map(lambda x: x[index], self)
-
 
 def init_pages(
     num_layers: int,
@@ -96,7 +77,7 @@ def init_pages(
     dtype: Any = jnp.float32,
 ) -> KVPages:
     """A zero-filled store: ``k, v: dtype[num_layers, num_kv_heads, num_blocks, block_size, head_dim]``."""
-    dtype = canonical_dtype(dtype)
+    dtype = float_dtype(dtype)
     shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
     for name, value in zip(("num_layers", "num_kv_heads", "num_blocks", "block_size", "head_dim"), shape):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -107,20 +88,22 @@ def init_pages(
 # --------------------------------------------------------------------------- sizes
 
 
-def bytes_per_token(pages: KVPages) -> int:
-    """Bytes the store spends per token slot, over every leaf and layer (K + V + scales)."""
-    slots = pages.num_blocks * pages.block_size
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pages)) // slots
+def bytes_per_block(pages) -> int:
+    """Bytes of one block over every leaf and layer: what the pool spends per block and
+    what a swap moves (K + V, and scales once pages are quantised).
+
+    The one place block bytes are computed. ``pages`` is any page-store pytree (every
+    leaf ``[..., N, bs, F]``), concrete or abstract (``jax.eval_shape`` of an init).
+    """
+    leaves = jax.tree.leaves(pages)
+    num_blocks = leaves[0].shape[BLOCK_AXIS]
+    total = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in leaves)
+    return total // num_blocks
 
 
-def bytes_per_block(pages: KVPages) -> int:
-    """Bytes of one block over every leaf and layer (what a swap moves per block)."""
-    return bytes_per_token(pages) * pages.block_size
-
-
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: Any) -> int:
-    """Bytes of K + V for one token across all layers, unquantised: 2 * L * Hkv * D * itemsize."""
-    return 2 * num_layers * num_kv_heads * head_dim * canonical_dtype(dtype).itemsize
+def bytes_per_token(pages) -> int:
+    """Bytes per token slot over every leaf and layer (``bytes_per_block / block_size``)."""
+    return bytes_per_block(pages) // jax.tree.leaves(pages)[0].shape[OFFSET_AXIS]
 
 
 # --------------------------------------------------------------------------- token writes
@@ -151,7 +134,7 @@ def write_tokens(
     k_new: jax.Array,
     v_new: jax.Array,
     *,
-    layer: int | None = None,
+    layer: int | jax.Array | None = None,
 ) -> KVPages:
     """Scatter new tokens' K and V into their physical slots.
 
@@ -164,7 +147,8 @@ def write_tokens(
       k_new, v_new: ``[*S, Hkv, D]`` when writing one layer (``layer`` given, or a
         single-layer store), ``[L, *S, Hkv, D]`` when writing every layer of the store at
         once. Cast to the page dtype.
-      layer: static layer index into a whole store; writes only that layer, in place.
+      layer: layer index into a whole store, a Python int or a traced int32 scalar (the
+        model's layer scan); writes only that layer, in place.
 
     Returns the updated store (same shapes and dtypes).
     """

@@ -24,33 +24,36 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
+from paged_jax.dtypes import SAFETENSORS_TAGS
 from paged_jax.model.config import ModelConfig
 from paged_jax.model.llama import LlamaForCausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
-# safetensors dtype tag -> our dtype name; anything else is rejected.
-_FLOAT_TAGS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 class CheckpointError(ValueError):
     """A checkpoint that does not match its config (or is not a checkpoint at all)."""
 
 
-def hf_name(path: tuple) -> tuple[str, bool]:
-    """HF tensor name of one of our parameter paths, and whether it is transposed.
+def hf_names(path: tuple, num_layers: int) -> tuple[list[str], bool]:
+    """HF tensor names of one of our parameter paths, and whether they are transposed.
 
-    ``('layers', 0, 'self_attn', 'q_proj', 'kernel')`` -> ``('model.layers.0.self_attn.q_proj.weight', True)``.
+    A decoder-layer parameter is stacked (``[num_layers, ...]``), so it has one HF tensor
+    per layer: ``('layers', 'self_attn', 'q_proj', 'kernel')`` ->
+    ``(['model.layers.0.self_attn.q_proj.weight', ...], True)``; every other parameter has
+    one name.
     """
     parts = [str(p) for p in path]
     leaf = parts[-1]
     if leaf == "embedding":
-        return "model.embed_tokens.weight", False
+        return ["model.embed_tokens.weight"], False
     if parts[0] == "lm_head":
-        return "lm_head.weight", True
-    base = ".".join(parts[:-1])
-    if leaf == "kernel":
-        return f"model.{base}.weight", True
-    return f"model.{base}.{leaf}", False  # norm "weight" and projection "bias"
+        return ["lm_head.weight"], True
+    suffix = "weight" if leaf == "kernel" else leaf  # norm "weight" and projection "bias"
+    if parts[0] == "layers":
+        rest = ".".join(parts[1:-1])
+        return [f"model.layers.{i}.{rest}.{suffix}" for i in range(num_layers)], leaf == "kernel"
+    return [f"model.{'.'.join(parts[:-1])}.{suffix}"], leaf == "kernel"
 
 
 def _tensor_index(path: str) -> dict[str, str]:
@@ -87,7 +90,7 @@ def _declared_dtype(path: str) -> str | None:
     with open(os.path.join(path, "config.json")) as f:
         hf = json.load(f)
     name = hf.get("dtype") or hf.get("torch_dtype")
-    return name if name in _FLOAT_TAGS.values() else None
+    return name if name in SAFETENSORS_TAGS.values() else None
 
 
 def load_params(
@@ -113,23 +116,27 @@ def load_params(
     graphdef, shapes = nnx.split(abstract)
     loaded = []
     for p, var in nnx.to_flat_state(shapes):
-        name, transposed = hf_name(p)
-        want = tuple(var.shape[::-1]) if transposed else tuple(var.shape)
-        if name not in index:
-            raise CheckpointError(f"{path}: missing tensor {name!r} (shape {want})")
-        array, tag = _read(index[name], name)
-        if tag not in _FLOAT_TAGS:
-            raise CheckpointError(f"tensor {name!r} has dtype {tag}; expected a float (F32, BF16, F16)")
-        if declared is not None and _FLOAT_TAGS[tag] != declared:
-            raise CheckpointError(
-                f"tensor {name!r} has dtype {_FLOAT_TAGS[tag]} but config.json declares {declared}"
-            )
-        if tuple(array.shape) != want:
-            raise CheckpointError(
-                f"tensor {name!r} has shape {tuple(array.shape)}; the config implies {want}"
-            )
-        value = jnp.asarray(array.T if transposed else array).astype(target)
-        loaded.append((p, var.replace(value)))
+        names, transposed = hf_names(p, config.num_layers)
+        shape = tuple(var.shape[1:] if p[0] == "layers" else var.shape)  # one layer's tensor
+        want = shape[::-1] if transposed else shape
+        arrays = []
+        for name in names:
+            if name not in index:
+                raise CheckpointError(f"{path}: missing tensor {name!r} (shape {want})")
+            array, tag = _read(index[name], name)
+            if tag not in SAFETENSORS_TAGS:
+                raise CheckpointError(f"tensor {name!r} has dtype {tag}; expected a float (F32, BF16, F16)")
+            if declared is not None and SAFETENSORS_TAGS[tag] != declared:
+                raise CheckpointError(
+                    f"tensor {name!r} has dtype {SAFETENSORS_TAGS[tag]} but config.json declares {declared}"
+                )
+            if tuple(array.shape) != want:
+                raise CheckpointError(
+                    f"tensor {name!r} has shape {tuple(array.shape)}; the config implies {want}"
+                )
+            arrays.append(array.T if transposed else array)
+        value = np.stack(arrays) if p[0] == "layers" else arrays[0]
+        loaded.append((p, var.replace(jnp.asarray(value).astype(target))))
     return graphdef, nnx.from_flat_state(loaded)
 
 
@@ -155,8 +162,10 @@ def save_params(path: str | os.PathLike, params: nnx.State) -> None:
 
     tensors = {}
     for p, var in nnx.to_flat_state(params):
-        name, transposed = hf_name(p)
         array = np.asarray(jax.device_get(var[...]))
-        tensors[name] = np.ascontiguousarray(array.T if transposed else array)
+        stacked = p[0] == "layers"
+        names, transposed = hf_names(p, array.shape[0] if stacked else 1)
+        for name, one in zip(names, array if stacked else [array], strict=True):
+            tensors[name] = np.ascontiguousarray(one.T if transposed else one)
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(os.fspath(path), "model.safetensors"))

@@ -13,7 +13,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from paged_jax.kv.pages import canonical_dtype
+from paged_jax.dtypes import dtype_name, float_dtype
 
 # Hugging Face architecture name -> its config.json model_type.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -22,8 +22,6 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
 }
 _BY_MODEL_TYPE = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
-_DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
-                "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,14 +109,13 @@ class ModelConfig:
             _positive("sliding_window", self.sliding_window)
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(_unsupported(self.architecture))
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype={self.dtype!r}: choose 'float32', 'bfloat16' or 'float16'")
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))  # "bf16", jnp.bfloat16 -> "bfloat16"
 
     # ------------------------------------------------------------------ derived
 
     @property
     def jnp_dtype(self) -> jnp.dtype:
-        return canonical_dtype(self.dtype)
+        return float_dtype(self.dtype)
 
     @property
     def max_seq_len(self) -> int:
@@ -132,7 +129,7 @@ class ModelConfig:
 
         ``dtype`` is the KV page dtype; defaults to the model dtype.
         """
-        itemsize = canonical_dtype(self.dtype if dtype is None else dtype).itemsize
+        itemsize = float_dtype(self.dtype if dtype is None else dtype).itemsize
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
     @property
@@ -200,7 +197,7 @@ class ModelConfig:
             attention_bias=True if model_type == "qwen2" else bias,
             attention_out_bias=False if model_type == "qwen2" else bias,
             architecture=arch,
-            dtype=_dtype_name(dtype or hf.get("dtype") or hf.get("torch_dtype") or "float32"),
+            dtype=dtype_name(dtype or hf.get("dtype") or hf.get("torch_dtype") or "float32"),
         )
 
 
@@ -257,10 +254,3 @@ def _sliding_window(hf: dict, model_type: str) -> int | None:
         if layer_types and len(set(layer_types)) > 1:
             raise ValueError("sliding-window attention on some layers only is not supported")
     return int(window)
-
-
-def _dtype_name(dtype) -> str:
-    name = dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
-    if name not in _DTYPE_NAMES:
-        raise ValueError(f"dtype={dtype!r}: choose float32, bfloat16 or float16")
-    return _DTYPE_NAMES[name]

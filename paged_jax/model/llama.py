@@ -6,18 +6,26 @@ K/V and how attention reads the past is an ``AttendFn`` passed in by the caller:
     attend(kv, layer, q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, D]) -> (out [B, T, Hq, D], kv)
 
 ``kv`` is whatever cache the backend threads through the layers (a ``KVPages``, a
-contiguous cache, or nothing). Three backends live here: ``dense_attend`` (no cache, full
-causal attention: the test oracle), ``make_paged_attend`` (write through the slot
-mapping, attend through the block tables via ``attention.dispatch``) and
-``make_contiguous_attend`` (a ``[L, B, max_len]`` cache: the non-paged baseline).
+contiguous cache, or nothing); ``layer`` is a traced int32 scalar. Three backends live
+here: ``dense_attend`` (no cache, full causal attention: the test oracle),
+``make_paged_attend`` (write through the slot mapping, attend through the block tables
+via ``attention.dispatch``) and ``make_contiguous_attend`` (a ``[L, B, max_len]`` cache:
+the non-paged baseline).
+
+Layers run under one ``jax.lax.scan``: every per-layer parameter is stacked along a
+leading ``num_layers`` axis (``nnx.vmap`` builds them), and the cache is the scan's
+carry, so a compiled step holds one layer body whatever the depth. Compile time no
+longer grows with the number of layers, and the cache is updated in place at index
+``layer`` (every backend indexes the layer itself instead of being handed a slice, which
+would be materialised).
 
 Hot loops never call the module directly: they ``nnx.split`` it once and run a pure
 function ``f(graphdef, params, ...)`` under plain ``jax.jit`` (``forward`` below), which
 merges at trace time only; ``nnx.jit`` costs ~0.3 ms a call.
 
-Parameter names mirror Hugging Face's (``model.layers.{i}.self_attn.q_proj`` becomes
-``layers[i].self_attn.q_proj``); ``nnx.Linear`` kernels are ``[in, out]``, the transpose
-of HF's ``weight``.
+Parameter names mirror Hugging Face's (``model.layers.{i}.self_attn.q_proj`` becomes row
+``i`` of the stacked ``layers.self_attn.q_proj``); ``nnx.Linear`` kernels are ``[in,
+out]``, the transpose of HF's ``weight``.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from paged_jax.attention import dense_causal_attention, dispatch
 from paged_jax.kv.pages import KVPages, write_tokens
 from paged_jax.model.config import ModelConfig
 
-AttendFn = Callable[[Any, int, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
+AttendFn = Callable[[Any, jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
 
 # --------------------------------------------------------------------------- RoPE
 
@@ -105,7 +113,7 @@ class Attention(nnx.Module):
         self.o_proj = _linear(cfg, cfg.num_heads * d, h, cfg.attention_out_bias, rngs)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
 
-    def __call__(self, x, positions, inv_freq, kv, layer: int, attend: AttendFn):
+    def __call__(self, x, positions, inv_freq, kv, layer: jax.Array, attend: AttendFn):
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
@@ -137,14 +145,27 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, positions, inv_freq, kv, layer: int, attend: AttendFn):
+    def __call__(self, x, positions, inv_freq, kv, layer: jax.Array, attend: AttendFn):
         attn, kv = self.self_attn(self.input_layernorm(x), positions, inv_freq, kv, layer, attend)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
 
+def _stacked_layers(config: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
+    """``num_layers`` decoder layers as one module whose parameters have a leading layer
+    axis (each layer initialised from its own split of ``rngs``)."""
+
+    @nnx.split_rngs(splits=config.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return DecoderLayer(config, rngs)
+
+    return make(rngs)
+
+
 class LlamaForCausalLM(nnx.Module):
-    """Embedding, ``num_layers`` decoder layers, final norm, LM head (tied or not)."""
+    """Embedding, ``num_layers`` decoder layers (stacked, see the module docstring), final
+    norm, LM head (tied or not)."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
@@ -152,7 +173,7 @@ class LlamaForCausalLM(nnx.Module):
         self.embed_tokens = nnx.Embed(
             config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
         )
-        self.layers = nnx.List([DecoderLayer(config, rngs) for _ in range(config.num_layers)])
+        self.layers = _stacked_layers(config, rngs)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = (
             None if config.tie_word_embeddings
@@ -171,8 +192,15 @@ class LlamaForCausalLM(nnx.Module):
         """
         inv_freq = rope_inv_freq(self.config)
         x = self.embed_tokens(tokens)
-        for i, layer in enumerate(self.layers):
-            x, kv = layer(x, positions, inv_freq, kv, i, attend)
+        layer_def, layer_params = nnx.split(self.layers)
+
+        def one_layer(carry, per_layer):
+            x, kv = carry
+            params, index = per_layer
+            return nnx.merge(layer_def, params)(x, positions, inv_freq, kv, index, attend), None
+
+        indices = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+        (x, kv), _ = jax.lax.scan(one_layer, (x, kv), (layer_params, indices))
         return self.norm(x), kv
 
     def logits(self, hidden: jax.Array) -> jax.Array:
@@ -207,23 +235,16 @@ class PagedContext(NamedTuple):
     q_lens: jax.Array  # int32[B]; new tokens per row (<= T)
 
 
-def make_paged_attend(ctx: PagedContext, *, impl: str = "auto", decode: bool = False) -> AttendFn:
+def make_paged_attend(ctx: PagedContext, *, impl: str = "auto") -> AttendFn:
     """Backend over ``kv = KVPages`` (all layers): write the layer's new K/V through the
-    slot mapping, then attend through the block tables. ``decode`` (T == 1) uses the
-    decode kernel, otherwise the chunk kernel."""
+    slot mapping, then attend through the block tables (one contract for decode, T = 1,
+    and chunks; ``attention.dispatch`` picks the implementation)."""
 
-    def attend(pages: KVPages, layer: int, q, k, v):
+    def attend(pages: KVPages, layer: jax.Array, q, k, v):
         pages = write_tokens(pages, ctx.slot_mapping, k, v, layer=layer)
-        # All layers' pages plus the index: a layer slice taken here would be copied
-        # whenever the implementation reads it inside a loop ("xla" does).
-        if decode:
-            out = dispatch.paged_attention(
-                q[:, 0], pages.k, pages.v, ctx.block_tables, ctx.lengths, layer=layer, impl=impl
-            )[:, None]
-        else:
-            out = dispatch.paged_attention_chunk(
-                q, pages.k, pages.v, ctx.block_tables, ctx.lengths, ctx.q_lens, layer=layer, impl=impl
-            )
+        out = dispatch.paged_attention(
+            q, pages, ctx.block_tables, ctx.lengths, ctx.q_lens, layer=layer, impl=impl
+        )
         return out, pages
 
     return attend
@@ -251,7 +272,7 @@ def make_contiguous_attend(positions: jax.Array, lengths: jax.Array, q_lens: jax
     """Backend over ``kv = ContiguousKV``: row b of the batch is cache row b; new tokens
     go to ``positions[b, t]`` (``t < q_lens[b]``), attention reads ``lengths[b]`` keys."""
 
-    def attend(kv: ContiguousKV, layer: int, q, k, v):
+    def attend(kv: ContiguousKV, layer: jax.Array, q, k, v):
         b, t = positions.shape
         max_len = kv.k.shape[3]
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))

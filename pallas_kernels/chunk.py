@@ -5,23 +5,24 @@ has up to ``chunk`` new query tokens whose K/V have already been written into th
 cache, and query t attends causally to everything before it, including the earlier
 queries of its own chunk.
 
-  q:            [batch, chunk, num_q_heads, head_dim]
+  q:               [batch, chunk, num_q_heads, head_dim]
   k_pages/v_pages: [num_kv_heads, num_blocks, block_size, head_dim], or every layer's
-                pool [num_layers, num_kv_heads, num_blocks, block_size, head_dim] with a
-                static ``layer=i`` (read in place by the kernel, as in the decode kernel)
-  block_tables: int32[batch, max_blocks_per_seq] (-1 = no block)
-  lengths:      int32[batch] total KV length INCLUDING the chunk's own tokens
-  q_lens:       int32[batch] valid queries per row (<= chunk)
+                   pool [num_layers, num_kv_heads, num_blocks, block_size, head_dim] with
+                   ``layer`` (a Python int or a traced int32 scalar) naming one
+  block_tables:    int32[batch, max_blocks_per_seq]; unused entries may be anything (-1)
+  lengths:         int32[batch] total KV length INCLUDING the chunk's own tokens
+  q_lens:          int32[batch] valid queries per row (<= chunk)
 
 Query t < q_lens[b] sits at position lengths[b] - q_lens[b] + t and sees KV positions
 [0, that position].  Rows t >= q_lens[b] are 0.
 
-Kernel design: the decode kernel (``paged_attention.py``) with the q tile widened from
-"the q heads of one kv head" to "(query token, q head of this kv head) pairs": row
+Kernel design: the decode kernel (``decode.py``) with the q tile widened
+from "the q heads of one kv head" to "(query token, q head of this kv head) pairs": row
 r = t * group + g.  One program per (sequence, kv head, row block, split); a row block
 holds ``block_rows`` such rows, so one K/V block read serves every query of the chunk and
 every q head of the group.  The loop walks KV only up to the last position any valid row
-of the block can see, and splits (flash-decoding) share that range evenly.
+of the block can see, and splits (flash-decoding) share that range evenly.  Pages and
+layer reach the kernel as in the decode kernel (``common``'s module doc).
 """
 
 from __future__ import annotations
@@ -35,25 +36,24 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.paged_attention import (
-    _SQUEEZED,
+from pallas_kernels.common import (
     DEFAULT_MASK_VALUE,
     LOG2E,
     MIN_DOT_DIM,
-    _check_common,
-    _is_pow2,
-    _next_pow2,
+    SQUEEZED,
+    block_ids,
+    check_common,
     combine_splits,
     finalize,
-    gather_kv,
+    flat_pages,
     init_carry,
-    masked_softmax_attention,
+    is_pow2,
+    next_pow2,
     online_softmax_step,
     page_shape,
-    pages_spec,
     prepare_table,
-    select_layer,
     split_range,
+    whole_spec,
 )
 
 MAX_BLOCK_ROWS = 128
@@ -63,19 +63,23 @@ def paged_attention_chunk_kernel(
     # inputs
     lengths_ref,  # [1] int32: KV length of this sequence (chunk included)
     q_lens_ref,  # [1] int32: valid queries of this sequence
+    layer_ref,  # [1] int32: the layer to read
     block_tables_ref,  # [padded_blocks_per_seq] int32: physical block ids (-1 = none)
     q_ref,  # [block_rows, head_dim]: rows r = t * group + g of this row block
-    k_pages_ref,  # [num_blocks, block_size, head_dim]: this kv head's K pool
-    v_pages_ref,  # [num_blocks, block_size, head_dim]: this kv head's V pool
+    k_pages_ref,  # [num_layers * num_kv_heads * num_blocks, block_size, head_dim]: every K block
+    v_pages_ref,  # [num_layers * num_kv_heads * num_blocks, block_size, head_dim]: every V block
     # outputs
     o_ref: Any,  # [block_rows, head_dim]: q dtype (one split) or f32 unnormalised
     *stat_refs: Any,  # splits > 1: m_ref [block_rows] f32, l_ref [block_rows] f32
     scale: float,
     group: int,
+    num_kv_heads: int,
+    num_blocks: int,
     blocks_per_step: int,
     num_splits: int,
     mask_value: float,
 ):
+    head = pl.program_id(1)
     row_block = pl.program_id(2)
     split = pl.program_id(3)
     block_rows, head_dim = q_ref.shape
@@ -84,6 +88,7 @@ def paged_attention_chunk_kernel(
 
     length = lengths_ref[0]
     q_len = q_lens_ref[0]
+    layer = layer_ref[0]
     first_pos = length - q_len  # position of query 0 of the chunk
     rows = row_block * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
     t = rows // group  # query index of each row
@@ -100,8 +105,7 @@ def paged_attention_chunk_kernel(
 
     def body(i, carry):
         step = first_step + i
-        ids = block_tables_ref[pl.ds(step * blocks_per_step, blocks_per_step)]
-        ids = jnp.maximum(ids, 0)  # -1 columns past the sequence: never dereference
+        ids = block_ids(block_tables_ref, step, blocks_per_step, layer, head, num_kv_heads, num_blocks)
         k = k_pages_ref[ids].reshape(block_k, head_dim)
         v = v_pages_ref[ids].reshape(block_k, head_dim)
         kv_pos = step * block_k + jnp.arange(block_k, dtype=jnp.int32)
@@ -123,12 +127,14 @@ def paged_attention_chunk_kernel(
 
 def paged_attention_chunk_grid(
     q: jax.Array,  # [batch, num_kv_heads, padded_rows, head_dim], rows r = t * group + g
-    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim] ([L, ...] with layer)
+    k_pages: jax.Array,  # [num_layers * num_kv_heads * num_blocks, block_size, head_dim]
     v_pages: jax.Array,  # same shape as k_pages
+    layer: jax.Array,  # int32[1]
     block_tables: jax.Array,  # int32[batch, padded_blocks_per_seq]
     lengths: jax.Array,  # int32[batch]
     q_lens: jax.Array,  # int32[batch]
     *,
+    num_blocks: int,
     scale: float,
     group: int,
     block_rows: int,
@@ -138,22 +144,20 @@ def paged_attention_chunk_grid(
     num_stages: int,
     interpret: bool,
     mask_value: float,
-    layer: int | None = None,
 ) -> jax.Array:
-    """Builds the (batch, kv_head, row_block, split) grid; returns q-shaped output.
-
-    ``layer=None``: 4-D pages; ``layer=i``: 5-D layer-stacked pages, layer i read in place.
-    """
+    """Builds the (batch, kv_head, row_block, split) grid; returns q-shaped output."""
     batch, num_kv_heads, padded_rows, head_dim = q.shape
-    _, _, block_size, _ = page_shape(k_pages.shape, layer)
+    block_size = k_pages.shape[-2]
     width = block_tables.shape[1]
     num_row_blocks = padded_rows // block_rows
-    s = _SQUEEZED
+    s = SQUEEZED
 
     kernel = functools.partial(
         paged_attention_chunk_kernel,
         scale=scale,
         group=group,
+        num_kv_heads=num_kv_heads,
+        num_blocks=num_blocks,
         blocks_per_step=blocks_per_step,
         num_splits=num_splits,
         mask_value=mask_value,
@@ -161,10 +165,11 @@ def paged_attention_chunk_grid(
     in_specs = [
         pl.BlockSpec((1,), lambda b, h, r, j: (b,)),  # lengths
         pl.BlockSpec((1,), lambda b, h, r, j: (b,)),  # q_lens
+        pl.BlockSpec((1,), lambda b, h, r, j: (0,)),  # layer
         pl.BlockSpec((s, width), lambda b, h, r, j: (b, 0)),  # block_tables
         pl.BlockSpec((s, s, block_rows, head_dim), lambda b, h, r, j: (b, h, r, 0)),  # q
-        pages_spec(k_pages.shape, layer, lambda b, h, r, j: h),  # k_pages
-        pages_spec(v_pages.shape, layer, lambda b, h, r, j: h),  # v_pages
+        whole_spec(k_pages.shape),  # k_pages: the kernel computes block indices itself
+        whole_spec(v_pages.shape),  # v_pages
     ]
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
@@ -189,8 +194,8 @@ def paged_attention_chunk_grid(
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=(f"paged_attention_chunk_br{block_rows}_bk{blocks_per_step * block_size}_s{num_splits}"),
-    )(lengths, q_lens, block_tables, q, k_pages, v_pages)
+        name=f"paged_attention_chunk_br{block_rows}_bk{blocks_per_step * block_size}_s{num_splits}",
+    )(lengths, q_lens, layer, block_tables, q, k_pages, v_pages)
     if num_splits == 1:
         return out
     return combine_splits(*out).astype(q.dtype)
@@ -198,7 +203,7 @@ def paged_attention_chunk_grid(
 
 def default_block_rows(rows: int) -> int:
     """Rows (query x q-head pairs) per program: all of them up to 64, at least 16."""
-    return min(max(MIN_DOT_DIM, _next_pow2(rows)), 64)
+    return min(max(MIN_DOT_DIM, next_pow2(rows)), 64)
 
 
 def _rows_layout(q: jax.Array, num_kv_heads: int) -> jax.Array:
@@ -216,11 +221,6 @@ def _from_rows_layout(o: jax.Array, chunk: int, group: int) -> jax.Array:
     return jnp.transpose(o, (0, 2, 1, 3, 4)).reshape(batch, chunk, num_kv_heads * group, head_dim)
 
 
-def _clamp_q_lens(q_lens: jax.Array, lengths: jax.Array, chunk: int) -> jax.Array:
-    """A chunk cannot hold more queries than it has rows or than the sequence has tokens."""
-    return jnp.clip(q_lens, 0, jnp.minimum(chunk, lengths))
-
-
 @functools.partial(
     jax.jit,
     static_argnames=[
@@ -232,9 +232,63 @@ def _clamp_q_lens(q_lens: jax.Array, lengths: jax.Array, chunk: int) -> jax.Arra
         "num_stages",
         "interpret",
         "mask_value",
-        "layer",
     ],
 )
+def _paged_attention_chunk(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    lengths,
+    q_lens,
+    layer,
+    *,
+    scale,
+    block_rows,
+    blocks_per_step,
+    num_splits,
+    num_warps,
+    num_stages,
+    interpret,
+    mask_value,
+):
+    """``paged_attention_chunk`` after validation (``layer``: None, int or int32 scalar)."""
+    batch, chunk, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_blocks, block_size, _ = page_shape(k_pages.shape)
+    group = num_q_heads // num_kv_heads
+    rows = chunk * group
+
+    block_tables, lengths = prepare_table(block_tables, lengths, block_size, blocks_per_step)
+    # A chunk cannot hold more queries than it has rows or than the sequence has tokens.
+    q_lens = jnp.clip(q_lens, 0, jnp.minimum(chunk, lengths))
+    q_rows = _rows_layout(q, num_kv_heads)
+    padded_rows = pl.cdiv(rows, block_rows) * block_rows
+    if padded_rows != rows:
+        q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
+    k_flat, layer_index = flat_pages(k_pages, layer)
+    v_flat, _ = flat_pages(v_pages, layer)
+    o = paged_attention_chunk_grid(
+        q_rows,
+        k_flat,
+        v_flat,
+        layer_index,
+        block_tables,
+        lengths,
+        q_lens,
+        num_blocks=num_blocks,
+        scale=scale,
+        group=group,
+        block_rows=block_rows,
+        blocks_per_step=blocks_per_step,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        interpret=interpret,
+        mask_value=mask_value,
+    )
+    return _from_rows_layout(o, chunk, group)
+
+
 def paged_attention_chunk(
     q: jax.Array,
     k_pages: jax.Array,
@@ -243,6 +297,7 @@ def paged_attention_chunk(
     lengths: jax.Array,
     q_lens: jax.Array,
     *,
+    layer: int | jax.Array | None = None,
     scale: float | None = None,
     block_rows: int | None = None,
     blocks_per_step: int | None = None,
@@ -251,43 +306,46 @@ def paged_attention_chunk(
     num_stages: int = 2,
     interpret: bool = False,
     mask_value: float = DEFAULT_MASK_VALUE,
-    layer: int | None = None,
 ) -> jax.Array:
     """Paged causal multi-query (chunk) attention with grouped-query heads.
+
+    Validates its arguments in Python (so a bad call raises ValueError when traced), then
+    runs a jitted program (tuning parameters static, ``layer`` traced).
 
     Args:
       q: [batch, chunk, num_q_heads, head_dim] float32/bfloat16/float16.
       k_pages: [num_kv_heads, num_blocks, block_size, head_dim] when ``layer`` is None;
         [num_layers, num_kv_heads, num_blocks, block_size, head_dim] (every layer's pool)
-        when ``layer`` is an int.  Same shape and dtype as v_pages.
+        otherwise.  Same shape and dtype as v_pages.
       v_pages: same shape as k_pages.
-      block_tables: int32[batch, max_blocks_per_seq]; -1 past a sequence's blocks.
+      block_tables: int32[batch, max_blocks_per_seq]; entries past a sequence's blocks may
+        be anything (-1).
       lengths: int32[batch] KV length including this chunk's tokens (clamped to the
         table's capacity).
       q_lens: int32[batch] valid queries per row (clamped to [0, min(chunk, lengths)]).
-      scale: softmax scale; default head_dim ** -0.5.
+      layer: None for 4-D pages; for 5-D pages a Python int in [0, num_layers) or an
+        integer scalar array (traced; clamped into range), read in place as in
+        ``paged_attention_decode``.
+      scale: softmax scale (a Python float); default head_dim ** -0.5.
       block_rows: (query, q head) rows per program, a power of two in [16, 128]; default
         all chunk * group rows up to 64.  Each row block re-reads the KV it needs.
-      blocks_per_step: physical blocks per loop step, as in ``paged_attention``.
+      blocks_per_step: physical blocks per loop step, as in ``paged_attention_decode``.
       num_splits: flash-decoding splits of the KV range (1 = no combine pass).
       num_warps, num_stages: Triton launch parameters.
       interpret: run in the Pallas interpreter (CPU testing).
       mask_value: finite logit given to masked slots.
-      layer: None for 4-D pages, or the static index (0 <= layer < num_layers) of the layer
-        to read from 5-D pages, in place (no copy of the layer's pool), as in
-        ``paged_attention``.
 
     Returns:
       [batch, chunk, num_q_heads, head_dim] in q's dtype; rows t >= q_lens[b] are 0.
 
     Raises:
       ValueError: on unsupported shapes, dtypes or tuning parameters, or when the rank of
-        the pages and ``layer`` disagree or ``layer`` is out of range.
+        the pages and ``layer`` disagree or an int ``layer`` is out of range.
     """
     if q.ndim != 4:
         raise ValueError(f"q must be [batch, chunk, num_q_heads, head_dim], got {q.shape}")
     batch, chunk, num_q_heads, head_dim = q.shape
-    group, blocks_per_step, layer = _check_common(
+    group, blocks_per_step, layer = check_common(
         num_q_heads,
         head_dim,
         q.dtype,
@@ -300,36 +358,25 @@ def paged_attention_chunk(
         num_splits,
         num_warps,
         num_stages,
-        layer=layer,
+        layer,
     )
     if q_lens.shape != (batch,) or q_lens.dtype != jnp.int32:
         raise ValueError(f"q_lens must be int32[{batch}], got {q_lens.dtype}{list(q_lens.shape)}")
-    num_kv_heads, _, block_size, _ = page_shape(k_pages.shape, layer)
-    rows = chunk * group
     if block_rows is None:
-        block_rows = default_block_rows(rows)
-    if not (_is_pow2(block_rows) and MIN_DOT_DIM <= block_rows <= MAX_BLOCK_ROWS):
+        block_rows = default_block_rows(chunk * group)
+    if not (is_pow2(block_rows) and MIN_DOT_DIM <= block_rows <= MAX_BLOCK_ROWS):
         raise ValueError(
             f"block_rows={block_rows} must be a power of two in [{MIN_DOT_DIM}, {MAX_BLOCK_ROWS}]"
         )
-    if scale is None:
-        scale = head_dim**-0.5
-
-    block_tables, lengths = prepare_table(block_tables, lengths, block_size, blocks_per_step)
-    q_lens = _clamp_q_lens(q_lens, lengths, chunk)
-    q_rows = _rows_layout(q, num_kv_heads)
-    padded_rows = pl.cdiv(rows, block_rows) * block_rows
-    if padded_rows != rows:
-        q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
-    o = paged_attention_chunk_grid(
-        q_rows,
+    return _paged_attention_chunk(
+        q,
         k_pages,
         v_pages,
         block_tables,
         lengths,
         q_lens,
-        scale=float(scale),
-        group=group,
+        layer,
+        scale=float(head_dim**-0.5 if scale is None else scale),
         block_rows=block_rows,
         blocks_per_step=blocks_per_step,
         num_splits=num_splits,
@@ -337,42 +384,4 @@ def paged_attention_chunk(
         num_stages=num_stages,
         interpret=interpret,
         mask_value=mask_value,
-        layer=layer,
     )
-    return _from_rows_layout(o, chunk, group)
-
-
-@functools.partial(jax.jit, static_argnames=["scale", "layer"])
-def paged_attention_chunk_reference(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    block_tables: jax.Array,
-    lengths: jax.Array,
-    q_lens: jax.Array,
-    *,
-    scale: float | None = None,
-    layer: int | None = None,
-) -> jax.Array:
-    """Plain-jnp reference: gather through the table, causal masked softmax in float32.
-
-    Same arguments and result as ``paged_attention_chunk`` (no tuning parameters),
-    including ``layer`` for 5-D layer-stacked pages.
-    """
-    k_pages, v_pages = select_layer(k_pages, layer), select_layer(v_pages, layer)
-    batch, chunk, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, block_size, _ = k_pages.shape
-    group = num_q_heads // num_kv_heads
-    if scale is None:
-        scale = head_dim**-0.5
-    k = gather_kv(k_pages, block_tables)  # [b, Hk, S, D]
-    v = gather_kv(v_pages, block_tables)
-    lengths = jnp.clip(lengths, 0, block_tables.shape[1] * block_size)
-    q_lens = _clamp_q_lens(q_lens, lengths, chunk)
-    t = jnp.arange(chunk * group) // group  # query index of row r = t * group + g
-    q_pos = (lengths - q_lens)[:, None] + t[None, :]  # [b, rows]
-    row_valid = t[None, :] < q_lens[:, None]
-    kv_pos = jnp.arange(k.shape[2])
-    mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & row_valid[:, :, None]  # [b, r, S]
-    o = masked_softmax_attention(_rows_layout(q, num_kv_heads), k, v, mask[:, None], scale)
-    return _from_rows_layout(o, chunk, group).astype(q.dtype)

@@ -1,0 +1,158 @@
+"""Padding to buckets: the one place batch and length shapes are chosen.
+
+Every jitted step compiles once per input shape, so a serving loop whose batches grow and
+shrink by one row at a time must pad them to a small set of shapes. Host-side NumPy only;
+padding rows carry sequence id ``NO_SEQ``, which every block-manager op and step ignores.
+
+- ``bucket``: the next power of two (or the smallest of given buckets), with a floor and
+  a cap.
+- ``decode_rows``: decode batches in multiples of 8 rows.
+- ``prefill_shapes`` / ``plan_prefill``: prefill calls of power-of-two (rows, width) with
+  bounded area.
+- ``pad_batch`` / ``pad_decode`` / ``pad_ids``: the padded arrays themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from paged_jax.cache.sentinels import NO_SEQ
+
+MIN_PREFILL_WIDTH = 16  # narrowest prefill chunk: below it a call costs the same anyway
+
+
+def bucket(n: int, buckets: Sequence[int] | None = None, *, lo: int = 1, cap: int | None = None) -> int:
+    """Smallest bucket >= ``max(n, lo)``: a power of two, or the smallest of ``buckets``;
+    with ``cap``, at most ``cap`` (which must itself be >= n).
+
+    Raises ValueError if n < 0, if n exceeds every given bucket, or if n > cap.
+    """
+    if n < 0:
+        raise ValueError(f"cannot bucket a negative size ({n})")
+    if cap is not None and n > cap:
+        raise ValueError(f"size {n} exceeds the cap {cap}")
+    n = max(n, lo)
+    if buckets is None:
+        size = 1 << max(n - 1, 0).bit_length()
+    else:
+        fits = [x for x in buckets if x >= n]
+        if not fits:
+            raise ValueError(f"size {n} exceeds the largest bucket {max(buckets)}")
+        size = min(fits)
+    return size if cap is None else min(size, cap)
+
+
+def decode_rows(n: int, cap: int) -> int:
+    """Rows of a decode call for ``n`` sequences: a multiple of 8, at least 8, at most ``cap``.
+
+    Finer than powers of two: once the matmuls are compute-bound (CPU, batch >= ~8) a
+    padding row costs as much as a real one, so padding stays below 8 rows, at the price
+    of at most ``cap / 8`` compiled sizes. Below 8 rows the cost barely changes (the
+    weights dominate), so small batches share one shape.
+    """
+    return min(max(8, -(-n // 8) * 8), cap)
+
+
+def prefill_area(max_num_batched_tokens: int) -> int:
+    """The most padded tokens one prefill call computes: the token budget rounded up to a
+    power of two, at least ``MIN_PREFILL_WIDTH``."""
+    return bucket(max_num_batched_tokens, lo=MIN_PREFILL_WIDTH)
+
+
+def prefill_shapes(area: int, max_rows: int) -> list[tuple[int, int]]:
+    """Every prefill call shape ``(rows, width)`` that ``plan_prefill`` may use, widest first.
+
+    Both are powers of two: width from ``MIN_PREFILL_WIDTH`` up to ``area``, rows from 1 up
+    to ``max_rows``, with ``rows * width <= area``. A call never computes more than ``area``
+    padded tokens, and a lone chunk of ``n`` tokens costs at most ``max(16, 2n)``.
+    """
+    shapes, width = [], area
+    while width >= MIN_PREFILL_WIDTH:
+        rows = 1
+        while rows * width <= area and rows <= max_rows:
+            shapes.append((rows, width))
+            rows *= 2
+        width //= 2
+    return shapes
+
+
+def plan_prefill(lengths: Sequence[int], area: int, max_rows: int) -> list[tuple[int, int, list[int]]]:
+    """Group chunks into prefill calls: ``[(rows, width, chunk indices), ...]``.
+
+    Longest chunks first; a call's width is the power of two (>= 16) holding its longest
+    chunk, and it takes as many of the next chunks as ``rows * width <= area`` allows, its
+    rows padded to a power of two. Padding stays below 2x in each dimension.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    calls: list[tuple[int, int, list[int]]] = []
+    while order:
+        width = bucket(max(lengths[order[0]], 1), lo=MIN_PREFILL_WIDTH, cap=area)
+        take = order[: min(area // width, max_rows)]
+        order = order[len(take):]
+        calls.append((bucket(len(take), cap=max_rows), width, take))
+    return calls
+
+
+def pad_ids(ids: Sequence[int], size: int) -> np.ndarray:
+    """int32[size]: ``ids`` followed by ``NO_SEQ`` padding."""
+    if len(ids) > size:
+        raise ValueError(f"{len(ids)} ids do not fit in {size}")
+    out = np.full((size,), NO_SEQ, np.int32)
+    out[: len(ids)] = ids
+    return out
+
+
+class PaddedBatch(NamedTuple):
+    """A prefill batch padded to buckets (numpy, ready for a model step)."""
+
+    tokens: np.ndarray  # int32[B_bucket, T_bucket]; 0 past each row's tokens
+    seq_ids: np.ndarray  # int32[B_bucket]; NO_SEQ (-1) for padding rows
+    num_tokens: np.ndarray  # int32[B_bucket]; 0 for padding rows
+
+
+def pad_batch(
+    seq_ids: Sequence[int],
+    token_lists: Sequence[Sequence[int]],
+    *,
+    batch_buckets: Sequence[int] | None = None,
+    length_buckets: Sequence[int] | None = None,
+    shape: tuple[int, int] | None = None,
+) -> PaddedBatch:
+    """Pad ragged prefill chunks to a (batch, length) bucket, or to ``shape`` exactly.
+
+    Args:
+      seq_ids: one sequence id per row.
+      token_lists: the new tokens of each row (a chunk; lengths may differ).
+      batch_buckets, length_buckets: allowed padded sizes; default powers of two.
+      shape: ``(rows, width)`` to pad to (e.g. from ``plan_prefill``); overrides buckets.
+    """
+    if len(seq_ids) != len(token_lists):
+        raise ValueError(f"{len(seq_ids)} seq_ids but {len(token_lists)} token lists")
+    if shape is None:
+        shape = (bucket(len(seq_ids), batch_buckets), bucket(max((len(x) for x in token_lists), default=1), length_buckets))
+    b, t = shape
+    if len(seq_ids) > b or any(len(x) > t for x in token_lists):
+        raise ValueError(f"{len(seq_ids)} chunks of up to {max(map(len, token_lists), default=0)} tokens do not fit {shape}")
+    tokens = np.zeros((b, t), np.int32)
+    num = np.zeros((b,), np.int32)
+    for i, toks in enumerate(token_lists):
+        tokens[i, : len(toks)] = toks
+        num[i] = len(toks)
+    return PaddedBatch(tokens, pad_ids(seq_ids, b), num)
+
+
+def pad_decode(
+    seq_ids: Sequence[int], tokens: Sequence[int], *, batch_buckets: Sequence[int] | None = None,
+    size: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(tokens int32[B], seq_ids int32[B])`` for a decode step (one token per row);
+    ``B`` is ``size`` or the batch bucket. Padding rows have seq_id NO_SEQ and token 0."""
+    if len(seq_ids) != len(tokens):
+        raise ValueError(f"{len(seq_ids)} seq_ids but {len(tokens)} tokens")
+    b = bucket(len(seq_ids), batch_buckets) if size is None else size
+    out_tokens = np.zeros((b,), np.int32)
+    out_tokens[: len(tokens)] = tokens
+    return out_tokens, pad_ids(seq_ids, b)

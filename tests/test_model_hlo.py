@@ -1,0 +1,33 @@
+"""HLO guard on the model's jitted decode step: attention reads every layer's pages in place."""
+
+import re
+
+import jax.numpy as jnp
+
+
+def _while_shapes(hlo: str) -> list[str]:
+    return [line for line in hlo.splitlines() if re.search(r"\swhile\(", line)]
+
+
+def test_model_step_reads_layers_in_place():
+    """Inside the jitted decode step the attention loops take every layer's pages, not a
+    layer slice: a slice taken outside a loop would be materialised (one layer's pages
+    copied per layer per step, i.e. the whole pool per step)."""
+    from paged_jax import CacheConfig
+    from paged_jax.cache import init_state
+    from paged_jax.model import ModelConfig, init_params
+    from paged_jax.steps import init_pages_for, make_step_fns
+
+    cfg = ModelConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, max_position_embeddings=256,
+    )
+    cc = CacheConfig(num_blocks=48, block_size=4, max_seqs=8, max_blocks_per_seq=18)
+    _, params = init_params(cfg, 0)
+    fns = make_step_fns(cfg, attention_impl="xla")
+    state, pages = init_state(cc), init_pages_for(cfg, cc)
+    hlo = fns.decode.lower(params, state, pages, jnp.zeros(4, jnp.int32), jnp.arange(4, dtype=jnp.int32))
+    loops = _while_shapes(hlo.compile().as_text())
+    layer_shape, all_shape = "f32[2,48,4,16]", "f32[2,2,48,4,16]"
+    assert loops and all(all_shape in line for line in loops)
+    assert not any(layer_shape in line for line in loops)

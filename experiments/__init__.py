@@ -1,1 +1,1 @@
-"""Studies that reproduce or refute the seed's claims: `python -m experiments <name>`."""
+"""Studies that reproduce or refute the claims of docs/SEED.md: `python -m experiments <name>`."""

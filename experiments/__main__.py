@@ -1,9 +1,10 @@
 """python -m experiments <study> [--quick] [--out DIR]
 
 Studies (each a module with main(argv) that prints a table and writes DIR/<study>.json):
-  allocator     block-manager cost per call vs pool size, every policy (issue: foundation)
+  allocator     block-manager cost per call vs pool size, every policy
   decode_step   paged vs contiguous decode step; block-management share of a step
-  throughput    paged vs static KV allocation under one memory budget (seed C8)
+  throughput    paged vs static KV allocation under one memory budget (claim C8, docs/SEED.md)
+  compile_time  first-call time vs model depth (layers under one scan)
   kernel_bench  Pallas paged attention on a GPU (interpret-mode smoke with --quick on CPU)
   demo          the headline study in quick mode (what `make demo` runs)
   all           every CPU study
@@ -14,9 +15,9 @@ from __future__ import annotations
 import importlib
 import sys
 
-STUDIES = ["allocator", "decode_step", "throughput", "kernel_bench"]
+STUDIES = ["allocator", "decode_step", "throughput", "compile_time", "kernel_bench"]
 DEMO = "throughput"  # the headline study
-CPU_STUDIES = ["allocator", "decode_step", "throughput"]
+CPU_STUDIES = ["allocator", "decode_step", "throughput", "compile_time"]
 
 
 def _run(name: str, argv: list[str]):

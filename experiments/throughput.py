@@ -1,4 +1,4 @@
-"""Throughput: paged vs static KV allocation under one memory budget (seed C1, C2, C8).
+"""Throughput: paged vs static KV allocation under one memory budget (claims C1, C2, C8 in docs/SEED.md).
 
     python -m experiments throughput [--quick] [--out DIR] [--attention IMPL] [--num-requests N]
 

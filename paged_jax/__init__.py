@@ -1,7 +1,27 @@
-"""paged_jax: PagedAttention KV-cache management as pure JAX functions."""
+"""paged_jax: PagedAttention KV-cache management as pure JAX functions.
 
+The names most scripts need, re-exported: the offline engine with vLLM's names, and the
+block manager's configuration. Everything else lives in the subpackages (``cache``,
+``kv``, ``attention``, ``model``, ``engine``).
+"""
+
+# The block pool's shape.
 from paged_jax.config import CacheConfig
+
+# The offline engine (vLLM's names).
+from paged_jax.engine import (
+    LLM,
+    BeamSearchOutput,
+    BeamSearchParams,
+    BeamSearchSequence,
+    CompletionOutput,
+    RequestOutput,
+    SamplingParams,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["CacheConfig", "__version__"]
+__all__ = [
+    "LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CacheConfig", "CompletionOutput",
+    "RequestOutput", "SamplingParams", "__version__",
+]

@@ -191,8 +191,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         s = self._ids(data, live=None)
         parents = self._ids(data, live=True, k=len(s))
         parents = [p if c != -1 else -1 for p, c in zip(parents, s)]
+        self._apply_select(s, parents)
+
+    def _apply_select(self, s, parents):
         new, status = self.ops["select"](self.state, pad(s), pad(parents))
-        self._step(self.state, new, status, self.ref.select_parents(s, parents))
+        ref_status = self.ref.select_parents(s, parents)
+        self._step(self.state, new, status, ref_status)
+        return ref_status
 
     @rule(data=st.data())
     def fork_and_append_together(self, data):

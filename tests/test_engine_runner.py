@@ -111,7 +111,7 @@ def _group(rid, slots, lens, admitted):
     params = SamplingParams(temperature=0, max_tokens=32)
     seqs = [Sequence(rid, 0, (1,) * 5, params, seed=0, max_tokens=32, completion=i) for i in range(len(slots))]
     for seq, slot, n in zip(seqs, slots, lens, strict=True):
-        seq.slot, seq.num_computed = slot, n
+        seq.slot, seq.num_computed, seq.row_live = slot, n, True
         seq.output_token_ids = [1] * (n - 5 + 1)  # one pending token each: decoding
     group = SequenceGroup(rid, 0, (1,) * 5, params, seqs, admitted_at=admitted)
     return group

@@ -70,12 +70,14 @@ def test_sampling_params_validation(kwargs, words):
         SamplingParams(**kwargs)
 
 
-def test_parallel_sampling_names_the_later_issue():
-    with pytest.raises(NotImplementedError, match="parallel sampling"):
-        SamplingParams(n=2)
+def test_parallel_sampling_params_and_completion_seeds():
+    assert SamplingParams(n=3).n == 3
+    from paged_jax.engine.sampling import completion_seed
 
-
-# ----------------------------------------------------------------------------- sample()
+    assert completion_seed(1234, 0) == 1234  # completion 0 draws the request's own stream
+    seeds = {completion_seed(1234, i) for i in range(8)}
+    assert len(seeds) == 8 and all(0 <= x < 2**32 for x in seeds)
+    assert completion_seed(1234, 3) == completion_seed(1234, 3) != completion_seed(1235, 3)
 
 
 def test_greedy_is_argmax_with_raw_logprob():

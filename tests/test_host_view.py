@@ -28,6 +28,7 @@ from paged_jax.cache import (
     raise_for_status,
     release,
     restore_rows,
+    select_parents,
     snapshot,
 )
 
@@ -146,6 +147,11 @@ def test_planned_views_equal_the_state_after_the_op():
     assert view.opened([4, 5]).same_as(host_view(new))
     new, _ = fork(state, i32(2, 0), i32(6, 7))
     assert view.forked([2, 0], [6, 7]).same_as(host_view(new))
+    # Beams re-chosen: row 1 takes row 0's place, row 5 (dead) becomes a copy of row 2,
+    # and row 0 a copy of row 1 as it was before the call.
+    new, status = select_parents(state, i32(1, 5, 0), i32(0, 2, 1))
+    assert status.tolist() == [0, 0, 0]
+    assert view.selected([1, 5, 0], [0, 2, 1]).same_as(host_view(new))
     # Swap the family out and back into other rows: the shared blocks stay shared.
     out = view.released([0, 1, 2])
     tables = [[0, 1, -1, -1, -1, -1]] * 3
@@ -215,6 +221,13 @@ class HostViewMachine(BlockManagerMachine):
     def _apply_fork(self, parents, children):
         planned = self.view().forked(parents, children)
         ref_status = super()._apply_fork(parents, children)
+        if accepted(ref_status):
+            assert planned.same_as(self.view())
+        return ref_status
+
+    def _apply_select(self, s, parents):
+        planned = self.view().selected(s, parents)
+        ref_status = super()._apply_select(s, parents)
         if accepted(ref_status):
             assert planned.same_as(self.view())
         return ref_status

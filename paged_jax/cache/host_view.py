@@ -228,6 +228,41 @@ class HostView:
         self._add_to_entries(tables, counts, blocks, hits)
         return self._replace(block_tables=tables, entry_counts=counts, seq_lens=lens, active=active)
 
+    def selected(self, seq_ids, parent_ids) -> HostView:
+        """The view after ``select_parents(state, seq_ids, parent_ids)``: row ``seq_ids[i]``
+        becomes a copy of the old row ``parent_ids[i]`` (live or not before); every block
+        changes its count by the references gained minus those lost, and blocks left with
+        none return to the pool."""
+        rows, parents = _int32_args(
+            "HostView.selected", ("seq_ids", seq_ids, 1), ("parent_ids", parent_ids, 1), xp=np
+        )
+        real = (rows >= 0) & (rows < self.max_seqs) & (parents >= 0) & (parents < self.max_seqs)
+        rows, parents = rows[real], parents[real]
+        if not rows.size:
+            return self
+        new = self.block_tables[parents]
+        old = self.block_tables[rows[self.active[rows]]]
+        gained, plus = np.unique(new[new != NO_BLOCK], return_counts=True)
+        lost, minus = np.unique(old[old != NO_BLOCK], return_counts=True)
+        blocks = np.union1d(gained, lost)
+        delta = np.zeros(blocks.shape, np.int32)
+        delta[np.searchsorted(blocks, gained)] += plus.astype(np.int32)
+        delta[np.searchsorted(blocks, lost)] -= minus.astype(np.int32)
+        before = np.zeros(blocks.shape, np.int32)
+        named = self.block_tables != NO_BLOCK
+        ids, first = np.unique(self.block_tables[named], return_index=True)
+        present = np.isin(blocks, ids)
+        before[present] = self.entry_counts[named][first][np.searchsorted(ids, blocks[present])]
+        tables, counts = self.block_tables.copy(), self.entry_counts.copy()
+        new_counts = self.entry_counts[parents].copy()
+        tables[rows], counts[rows] = new, new_counts
+        self._add_to_entries(tables, counts, blocks, delta)
+        lens, active = self.seq_lens.copy(), self.active.copy()
+        lens[rows], active[rows] = self.seq_lens[parents], True
+        freed = int(((before > 0) & (before + delta == 0)).sum())
+        return self._replace(block_tables=tables, entry_counts=counts, seq_lens=lens, active=active,
+                             num_free=self.num_free + freed)
+
     def restored(self, seq_ids, seq_lens, local_tables, num_local) -> HostView:
         """The view after ``restore_rows(state, seq_ids, seq_lens, local_tables, num_local)``:
         ``num_local`` blocks leave the pool and the rows name them as ``local_tables``

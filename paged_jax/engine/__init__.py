@@ -10,6 +10,7 @@ place where the paged engine and the static baseline differ.
 from paged_jax.engine.accounting import PagedAccounting, StaticAccounting
 
 # Public offline API (vLLM's names).
+from paged_jax.engine.beam import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from paged_jax.engine.llm import LLM, CompletionOutput, RequestOutput, build_backend
 from paged_jax.engine.runner import ModelBackend
 from paged_jax.engine.sampling import SamplingParams, sample
@@ -18,7 +19,8 @@ from paged_jax.engine.sequence import SeqInfo, Sequence, SequenceGroup
 from paged_jax.engine.victim import VICTIM_POLICIES, VictimPolicy, get_victim_policy
 
 __all__ = [
-    "LLM", "PREEMPTION_MODES", "VICTIM_POLICIES", "CompletionOutput", "ModelBackend",
+    "LLM", "PREEMPTION_MODES", "VICTIM_POLICIES", "BeamSearchOutput", "BeamSearchParams",
+    "BeamSearchSequence", "CompletionOutput", "ModelBackend",
     "PagedAccounting", "RequestOutput", "SamplingParams", "SeqInfo", "Sequence", "SequenceGroup",
     "StaticAccounting", "VictimPolicy", "build_backend", "get_victim_policy", "sample",
 ]

@@ -3,12 +3,12 @@
 The one place where the paged engine and the static baseline differ. Both run the same
 scheduler, runner, block manager and step functions; only these answers change.
 
-- ``PagedAccounting`` (PagedAttention, seed M4): a request is admitted when the blocks
+- ``PagedAccounting`` (PagedAttention, M4 in docs/SEED.md): a request is admitted when the blocks
   for the tokens it must prefill fit in the free pool above a watermark; it then grows a
   block at a time, and the scheduler preempts when the pool runs dry. Memory charged =
   blocks actually allocated.
 
-- ``StaticAccounting`` (the pre-PagedAttention way, seed C1/C2): every admitted sequence
+- ``StaticAccounting`` (the pre-PagedAttention way, claims C1/C2): every admitted sequence
   reserves ``ceil(max_model_len / block_size)`` blocks up front, from a reservation
   counter over the same pool, so at most ``num_blocks // that`` sequences run at once.
   Memory charged = blocks reserved, whether or not tokens fill them.

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
+from paged_jax.engine import beam as beam_lib
 from paged_jax.engine.runner import ModelRunner, StepResult
 from paged_jax.engine.scheduler import ScheduledStep, Scheduler
 from paged_jax.engine.sequence import FinishReason, Sequence, SequenceGroup
@@ -49,12 +52,13 @@ class LLMEngine:
         t_sched = time.perf_counter()
         result = self.runner.run(step.plan)
         t_run = time.perf_counter()
-        finished, generated = self.postprocess(step, result)
+        finished, ended, generated = self.postprocess(step, result)
         # Measured after the appends, before the finished release their blocks.
         allocated = self.runner.config.num_blocks - result.view.num_free
         charged = self.scheduler.accounting.charged_blocks(allocated)
-        tokens_held = sum(s.num_computed for g in self.scheduler.running for s in g.seqs if s.slot is not None)
-        self.scheduler.finish(finished)
+        tokens_held = sum(s.num_computed for g in self.scheduler.running for s in g.seqs if s.row_live)
+        unshared, per_request = self._sharing(result.view)
+        self.scheduler.finish(finished, ended)
         if self.debug_checks:
             self.check()
         end = time.perf_counter()
@@ -68,22 +72,81 @@ class LLMEngine:
             seconds=end - start,
             waiting=len(self.scheduler.waiting) + len(self.scheduler.swapped),
             compile_seconds=self.runner.compile_seconds - compiled_before,
+            unshared_blocks=unshared,
+            request_blocks=per_request,
             phases={"schedule": t_sched - start, "run": t_run - t_sched, "update": end - t_run},
         )
         return finished
 
-    def postprocess(self, step: ScheduledStep, result: StepResult) -> tuple[list[Sequence], int]:
-        """Record the step's tokens; returns (sequences that finished, tokens generated)."""
+    def postprocess(
+        self, step: ScheduledStep, result: StepResult
+    ) -> tuple[list[Sequence], list[SequenceGroup], int]:
+        """Record the step's tokens; returns (sampled sequences that finished, beam searches
+        that ended, tokens generated)."""
         self.scheduler.swapped_out(step.swapped_out, result.swapped)
-        finished, generated = [], 0
+        finished, generated, beams = [], 0, {}
         for i, (seq, work) in enumerate(zip(step.seqs, step.plan.work, strict=True)):
             seq.num_computed += len(work.tokens)
             if seq.num_pending:  # mid-prefill: its sample is not a prediction we need
                 continue
+            if seq.group.beam is not None:
+                seq.candidates = (result.top_logprobs[i, : work.top], result.top_ids[i, : work.top])
+                beams[id(seq.group)] = seq.group
+                continue
             generated += 1
             if self._append_token(seq, int(result.tokens[i]), float(result.logprobs[i])):
                 finished.append(seq)
-        return finished, generated
+        ended = []
+        for group in beams.values():
+            advanced = self._beam_step(group)
+            if advanced is None:
+                ended.append(group)
+            else:
+                generated += advanced
+        return finished, ended, generated
+
+    def _beam_step(self, group: SequenceGroup) -> int | None:
+        """One beam step once every beam has its candidates: the next beams (a parent and a
+        token each, made on the device next step by ``select_parents``), or None when the
+        search is over. Returns the tokens the step generated."""
+        started = [s for s in group.live if s.row_live]
+        if any(s.candidates is None for s in started):
+            return 0  # a sibling is still catching up (a chunked recompute)
+        bp = group.params
+        width, k = group.beam.width, group.beam.num_candidates
+        logprobs = np.full((width, k), -np.inf, np.float32)
+        ids = np.zeros((width, k), np.int32)
+        for b, s in enumerate(group.live):
+            if s.candidates is not None:
+                logprobs[b], ids[b] = s.candidates
+            s.candidates = None
+        group.beam, choice = beam_lib.beam_step(
+            group.beam, logprobs, ids, eos=group.eos, max_tokens=group.seqs[0].max_tokens,
+            length_penalty=bp.length_penalty, early_stopping=bp.early_stopping,
+        )
+        if choice is None:
+            return None
+        histories = [(list(s.output_token_ids), s.cumulative_logprob) for s in group.live]
+        for s, parent, token, logprob in zip(group.live, choice.parents, choice.tokens, choice.logprobs, strict=True):
+            outputs, cum = histories[parent]
+            s.output_token_ids = [*outputs, token]
+            s.cumulative_logprob = cum + logprob
+        group.pending_select = list(choice.parents)
+        return len(choice.tokens)
+
+    def _sharing(self, view) -> tuple[int, dict]:
+        """Blocks the live rows would hold unshared, and per request with several members
+        (physical, unshared); a one-member request holds exactly its own blocks."""
+        bs = self.runner.config.block_size
+        lens = view.seq_lens[view.active]
+        unshared = int(((lens + bs - 1) // bs).sum())
+        per_request = {}
+        for g in self.scheduler.running:
+            rows = [s.slot for s in g.seqs if s.row_live]
+            if len(rows) > 1:
+                private = int(sum(-(-int(view.seq_lens[r]) // bs) for r in rows))
+                per_request[g.request_id] = (view.blocks_held(rows), private)
+        return unshared, per_request
 
     def flush(self) -> None:
         """Release the rows of the last step's finished sequences now (one device call and
@@ -112,7 +175,7 @@ class LLMEngine:
         about every live row (and with the runner's view), and the host swap pool's
         accounting. A debug aid: it syncs the device."""
         sched = self.scheduler
-        live = {s.slot: s.num_computed for g in sched.running for s in g.live}
+        live = {s.slot: s.num_computed for g in sched.running for s in g.live if s.row_live}
         self.runner.check(live, pending_release=sched.pending_rows)
         if sched.swapping:
             sched.runner.swap_pool.check([g.swapped.host_ids for g in sched.swapped if g.swapped is not None])

@@ -31,7 +31,9 @@ from paged_jax.config import blocks_for
 from paged_jax.engine.accounting import PagedAccounting, StaticAccounting
 from paged_jax.engine.engine import LLMEngine
 from paged_jax.engine.runner import ModelBackend, ModelRunner, RunnerConfig
-from paged_jax.engine.sampling import SamplingParams, seed_for
+from paged_jax.engine import beam as beam_lib
+from paged_jax.engine.beam import BeamSearchOutput, BeamSearchParams
+from paged_jax.engine.sampling import SamplingParams, completion_seed, seed_for
 from paged_jax.engine.scheduler import Scheduler, SchedulerConfig
 from paged_jax.engine.sequence import Sequence, SequenceGroup
 from paged_jax.kv.pages import bytes_per_block as kv_bytes_per_block
@@ -240,28 +242,41 @@ class LLM:
 
     # ------------------------------------------------------------------ generate
 
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list:
         """Run every prompt to completion; outputs in prompt order.
 
         Args:
           prompts: token-id lists or ``{"prompt_token_ids": [...]}`` dicts (or one prompt).
           sampling_params: one ``SamplingParams`` for all, one per prompt, or None
-            (defaults).
+            (defaults). A ``BeamSearchParams`` in the list makes that request a beam
+            search (its output is then a ``BeamSearchOutput``), batched with the others.
+
+        Returns a ``RequestOutput`` (``n`` completions) per sampling request and a
+        ``BeamSearchOutput`` per beam search, in prompt order.
 
         Raises ValueError, before generating anything, for an empty prompt, a token
-        outside the vocabulary, or a prompt that cannot fit (``>= max_model_len`` tokens,
-        naming the request index and the limit).
+        outside the vocabulary, a prompt that cannot fit (``>= max_model_len`` tokens), or
+        a request that can never fit (``n`` or ``beam_width`` above ``max_num_seqs``, or
+        more blocks than the pool holds), naming the request index and the limit.
         """
         groups = self.add_requests(prompts, sampling_params)
         bar = _progress(len(groups)) if use_tqdm else None
         while self.engine.has_unfinished():
             done = self.engine.step()
-            if bar is not None and done:
-                bar.update(sum(s.group.finished for s in done))
+            if bar is not None:
+                bar.update(sum(g.finished for g in groups) - bar.n)
         self.engine.flush()
         if bar is not None:
             bar.close()
         return self.outputs(groups)
+
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (vLLM's ``LLM.beam_search``), all in one batch:
+        ``BeamSearchOutput``s in prompt order (see ``beam.py`` for the rules)."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params={params!r}: expected BeamSearchParams")
+        prompts = _normalise_prompts(prompts)
+        return self.generate(prompts, [params] * len(prompts), use_tqdm=use_tqdm)
 
     def add_requests(self, prompts, sampling_params=None) -> list[SequenceGroup]:
         """Validate and queue requests without running them (``generate`` = this, then
@@ -271,41 +286,59 @@ class LLM:
         prompts = _normalise_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
+        if isinstance(sampling_params, SamplingParams | BeamSearchParams):
             params = [sampling_params] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
         for i, p in enumerate(params):
-            if not isinstance(p, SamplingParams):
-                raise ValueError(f"sampling_params[{i}]={p!r}: expected SamplingParams")
-        for i, prompt in enumerate(prompts):
+            if not isinstance(p, SamplingParams | BeamSearchParams):
+                raise ValueError(f"sampling_params[{i}]={p!r}: expected SamplingParams or BeamSearchParams")
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             self._validate_prompt(i, prompt)
+            self._validate_fit(i, prompt, p)
 
         groups = []
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             rid = str(self._next_request)
             self._next_request += 1
-            prompt = tuple(prompt)
-            seq = Sequence(
-                request_id=rid,
-                index=i,
-                prompt_token_ids=prompt,
-                params=p,
-                seed=seed_for(self.seed, rid, p.seed),
-                max_tokens=min(p.max_tokens, self.max_model_len - len(prompt)),
-            )
-            group = SequenceGroup(request_id=rid, index=i, prompt_token_ids=prompt, params=p, seqs=[seq])
-            groups.append(group)
-            self.engine.add(group)
+            groups.append(self._group(rid, i, tuple(prompt), p))
+            self.engine.add(groups[-1])
         return groups
 
+    def _group(self, rid: str, index: int, prompt: tuple[int, ...], p) -> SequenceGroup:
+        """The ``SequenceGroup`` of one request: ``n`` completions, or ``beam_width`` beams."""
+        max_tokens = min(p.max_tokens, self.max_model_len - len(prompt))
+        if isinstance(p, BeamSearchParams):
+            eos = self._beam_eos(p)
+            seqs = [Sequence(rid, index, prompt, p, seed=0, max_tokens=max_tokens, completion=b)
+                    for b in range(p.beam_width)]
+            return SequenceGroup(rid, index, prompt, p, seqs, beam=beam_lib.init_state(p.beam_width, len(eos)),
+                                 eos=eos)
+        seed = seed_for(self.seed, rid, p.seed)
+        seqs = [Sequence(rid, index, prompt, p, seed=completion_seed(seed, i), max_tokens=max_tokens, completion=i)
+                for i in range(p.n)]
+        return SequenceGroup(rid, index, prompt, p, seqs)
+
+    def _beam_eos(self, p: BeamSearchParams) -> tuple[int, ...]:
+        if p.ignore_eos:
+            return ()
+        if p.eos_token_id is not None:
+            return p.eos_token_id
+        eos = self.backend.eos_token_id
+        return () if eos is None else (eos,)
+
     @staticmethod
-    def outputs(groups: list[SequenceGroup]) -> list[RequestOutput]:
-        """``RequestOutput``s of finished requests, in the given order."""
-        return [
-            RequestOutput(
+    def outputs(groups: list[SequenceGroup]) -> list:
+        """``RequestOutput``s (sampling) and ``BeamSearchOutput``s (beam search) of finished
+        requests, in the given order."""
+        out = []
+        for g in groups:
+            if g.beam is not None:
+                out.append(beam_lib.results(g.beam, g.prompt_token_ids, g.eos))
+                continue
+            out.append(RequestOutput(
                 request_id=g.request_id,
                 prompt_token_ids=list(g.prompt_token_ids),
                 outputs=[
@@ -317,9 +350,32 @@ class LLM:
                     )
                     for s in g.seqs
                 ],
+            ))
+        return out
+
+    def _validate_fit(self, i: int, prompt: list[int], p) -> None:
+        """Reject what can never run: more members than table rows, or more blocks than the
+        pool, even with every member's prompt shared (the members' tails are private)."""
+        members, field = (p.beam_width, "beam_width") if isinstance(p, BeamSearchParams) else (p.n, "n")
+        limit = self.runner.config.max_num_seqs
+        if members > limit:
+            raise ValueError(f"request {i}: {field}={members} exceeds max_num_seqs={limit}")
+        if isinstance(p, BeamSearchParams):
+            k = beam_lib.num_candidates(p.beam_width, len(self._beam_eos(p)))
+            if k > self.backend.vocab_size:
+                raise ValueError(
+                    f"request {i}: beam_width={p.beam_width} keeps {k} candidates a step, more than the "
+                    f"vocabulary ({self.backend.vocab_size})"
+                )
+        bs = self.block_size
+        total = min(len(prompt) + p.max_tokens, self.max_model_len)
+        shared = (len(prompt) - 1) // bs if members > 1 else 0
+        need = shared + members * (blocks_for(total, bs) - shared)
+        if need > self.num_gpu_blocks:
+            raise ValueError(
+                f"request {i}: {members} sequence(s) of up to {total} tokens need up to {need} blocks of {bs} "
+                f"tokens (the prompt's full blocks shared) but the KV pool has {self.num_gpu_blocks}: it can never fit"
             )
-            for g in groups
-        ]
 
     def _validate_prompt(self, i: int, prompt: list[int]) -> None:
         if len(prompt) == 0:

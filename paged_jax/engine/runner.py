@@ -47,10 +47,11 @@ from paged_jax.cache import (
     raise_for_status,
     release,
     restore_rows,
+    select_parents,
     snapshot,
 )
 from paged_jax.config import CacheConfig
-from paged_jax.engine.sampling import sample
+from paged_jax.engine.sampling import sample, top_logprobs
 from paged_jax.engine.swap import HostSwapPool, SwappedBlocks
 from paged_jax.kv.pages import BLOCK_AXIS, bytes_per_block, read_blocks, write_blocks
 
@@ -93,11 +94,17 @@ _PAD_SAMPLE = SampleRow(0.0, -1, 1.0, 0, 0)
 
 
 class Work(NamedTuple):
-    """One row's part of a step: feed ``tokens`` (its next pending ones) to row ``slot``."""
+    """One row's part of a step: feed ``tokens`` (its next pending ones) to row ``slot``.
+
+    ``top`` > 0 also asks for the ``top`` most likely next tokens and their
+    log-probabilities, of ``log_softmax(logits / top_temperature)`` (0: the model's own).
+    """
 
     slot: int
     tokens: list[int]
     sample: SampleRow
+    top: int = 0
+    top_temperature: float = 0.0
 
 
 class SwapIn(NamedTuple):
@@ -112,20 +119,23 @@ class StepPlan:
     """What the runner does in one step, in this order (see the module docstring).
 
     ``swap_out`` rows are copied to the host and released; ``release`` rows are released;
-    ``open`` rows become live (empty); ``fork`` makes each child a copy of its parent;
-    ``swap_in`` rebuilds requests from the host pool; ``work`` runs the model.
+    ``select`` rebuilds rows from parent rows (``select_parents``: beam search); ``open``
+    rows become live (empty); ``fork`` makes each child a copy of its parent; ``swap_in``
+    rebuilds requests from the host pool; ``work`` runs the model.
     """
 
     work: list[Work] = dataclasses.field(default_factory=list)
     release: list[int] = dataclasses.field(default_factory=list)
     swap_out: list[list[int]] = dataclasses.field(default_factory=list)  # member rows per request
+    select: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (row, parent row)
     open: list[int] = dataclasses.field(default_factory=list)
     fork: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (parent, child) rows
     swap_in: list[SwapIn] = dataclasses.field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not (self.work or self.release or self.swap_out or self.open or self.fork or self.swap_in)
+        return not (self.work or self.release or self.swap_out or self.select or self.open or self.fork
+                    or self.swap_in)
 
 
 class StepResult(NamedTuple):
@@ -133,6 +143,8 @@ class StepResult(NamedTuple):
 
     tokens: np.ndarray  # int32[len(work)]: sampled at each row's last fed token
     logprobs: np.ndarray  # f32[len(work)]: its log-probability under the model
+    top_logprobs: np.ndarray  # f32[len(work), max top]: Work.top most likely, best first
+    top_ids: np.ndarray  # int32[len(work), max top]
     swapped: list[SwappedBlocks]  # one per plan.swap_out entry
     view: HostView  # the block manager after the step
 
@@ -141,6 +153,8 @@ class _StepOut(NamedTuple):
     tokens: Any  # int32[B_pad]
     logprobs: Any  # f32[B_pad]
     status: Any  # int32[B_pad]
+    top_logprobs: Any  # f32[B_pad, num_top]
+    top_ids: Any  # int32[B_pad, num_top]
 
 
 def _all_greedy(rows: list[SampleRow]) -> bool:
@@ -159,22 +173,28 @@ def _fused(step: Callable) -> Callable:
     body runs only when it traces, which ``_TRACES`` counts. State and pages are donated."""
 
     def traced(params, state, pages, tokens, seq_ids, num_tokens, temperature, top_k, top_p, seeds, steps,
-               *, greedy_only):
+               top_temperature, *, greedy_only, num_top):
         _TRACES[fused] += 1
         logits, state, pages, status = step(params, state, pages, tokens, seq_ids, num_tokens)
         toks, logprobs = sample(logits, temperature, top_k, top_p, seeds, steps, greedy_only=greedy_only)
-        return _StepOut(toks, logprobs, status), state, pages
+        if num_top:
+            top_lp, top_ids = top_logprobs(logits, top_temperature, num_top)
+        else:
+            top_lp, top_ids = jnp.zeros((toks.shape[0], 0), jnp.float32), jnp.zeros((toks.shape[0], 0), jnp.int32)
+        return _StepOut(toks, logprobs, status, top_lp, top_ids), state, pages
 
-    fused = jax.jit(traced, donate_argnums=(1, 2), static_argnames=("greedy_only",))
+    fused = jax.jit(traced, donate_argnums=(1, 2), static_argnames=("greedy_only", "num_top"))
     return fused
 
 
-def _housekeeping(state, release_ids, open_ids, fork_parents, fork_children):
-    """Release, open, fork (int32[S] each, NO_SEQ-padded), in that order: one program."""
+def _housekeeping(state, release_ids, select_ids, select_parents_ids, open_ids, fork_parents, fork_children):
+    """Release, select parents, open, fork (int32[S] each, NO_SEQ-padded), in that order:
+    one program."""
     state, released = release(state, release_ids)
+    state, selected = select_parents(state, select_ids, select_parents_ids)
     state, opened = open_sequences(state, open_ids)
     state, forked = fork(state, fork_parents, fork_children)
-    return state, (released, opened, forked)
+    return state, (released, selected, opened, forked)
 
 
 def _swap_in(state, pages, seq_ids, lens, local_tables, num_local, data, *, max_local):
@@ -247,10 +267,16 @@ class ModelRunner:
         self.view = HostView.from_snapshot(snap, self.config.block_size)
         tokens = np.zeros(len(plan.work), np.int32)
         logprobs = np.zeros(len(plan.work), np.float32)
+        width = max((out.top_ids.shape[1] for out in host_outs), default=0)
+        top_lp = np.zeros((len(plan.work), width), np.float32)
+        top_ids = np.zeros((len(plan.work), width), np.int32)
         for out, positions in zip(host_outs, order, strict=True):
-            tokens[positions] = out.tokens[: len(positions)]
-            logprobs[positions] = out.logprobs[: len(positions)]
-        return StepResult(tokens, logprobs, swapped, self.view)
+            n, k = len(positions), out.top_ids.shape[1]
+            tokens[positions] = out.tokens[:n]
+            logprobs[positions] = out.logprobs[:n]
+            top_lp[positions, :k] = out.top_logprobs[:n]
+            top_ids[positions, :k] = out.top_ids[:n]
+        return StepResult(tokens, logprobs, top_lp, top_ids, swapped, self.view)
 
     def _read_swap_out(self, rows: list[int]) -> tuple[SwappedBlocks, Any]:
         """Host blocks for the distinct blocks ``rows`` name (shared ones once), and the
@@ -272,13 +298,18 @@ class ModelRunner:
 
     def _run_housekeeping(self, plan: StepPlan, statuses: list) -> None:
         released = plan.release + [r for rows in plan.swap_out for r in rows]
-        if not (released or plan.open or plan.fork):
+        if not (released or plan.select or plan.open or plan.fork):
             return
         size = self.config.max_num_seqs
-        ids = [buckets.pad_ids(released, size), buckets.pad_ids(plan.open, size),
-               buckets.pad_ids([p for p, _ in plan.fork], size), buckets.pad_ids([c for _, c in plan.fork], size)]
-        self.cache_state, (s_rel, s_open, s_fork) = _housekeeping_jit(self.cache_state, *ids)
-        statuses += [("release", ids[0], s_rel), ("open_sequences", ids[1], s_open), ("fork", ids[3], s_fork)]
+
+        def pad(ids):
+            return buckets.pad_ids(ids, size)
+
+        ids = [pad(released), pad([r for r, _ in plan.select]), pad([p for _, p in plan.select]), pad(plan.open),
+               pad([p for p, _ in plan.fork]), pad([c for _, c in plan.fork])]
+        self.cache_state, (s_rel, s_sel, s_open, s_fork) = _housekeeping_jit(self.cache_state, *ids)
+        statuses += [("release", ids[0], s_rel), ("select_parents", ids[1], s_sel),
+                     ("open_sequences", ids[3], s_open), ("fork", ids[5], s_fork)]
 
     def _run_swap_in(self, swap_ins: list[SwapIn], statuses: list) -> None:
         """Every returning request in one restore: local block ids offset per request."""
@@ -332,13 +363,17 @@ class ModelRunner:
         rows = [w.sample for w in items]
         rows += [_PAD_SAMPLE] * (shape[0] - len(rows))
         cols = list(zip(*rows, strict=True))
+        top_temperature = np.zeros(shape[0], np.float32)
+        top_temperature[: len(items)] = [w.top_temperature for w in items]
         sampling = (np.asarray(cols[0], np.float32), np.asarray(cols[1], np.int32), np.asarray(cols[2], np.float32),
-                    np.asarray(cols[3], np.uint32), np.asarray(cols[4], np.int32))
+                    np.asarray(cols[3], np.uint32), np.asarray(cols[4], np.int32), top_temperature)
+        top = max(w.top for w in items)
+        num_top = buckets.bucket(top, lo=4, cap=self.backend.vocab_size) if top else 0
         before = _TRACES[self._step]
         start = time.perf_counter()
         out, self.cache_state, self.pages = self._step(
             self.params, self.cache_state, self.pages, batch.tokens, batch.seq_ids, batch.num_tokens, *sampling,
-            greedy_only=_all_greedy(rows),
+            greedy_only=_all_greedy(rows), num_top=num_top,
         )
         if traced := _TRACES[self._step] - before:
             # Tracing and compiling happen inside the call, before it returns (execution

@@ -31,8 +31,10 @@ class SamplingParams:
       seed: per-request seed; None derives one from the engine seed and request id.
       stop_token_ids: generation stops after sampling any of these (kept in the output).
       ignore_eos: do not stop at the model's EOS token.
-      n: completions per prompt. Only 1 is supported until parallel sampling lands
-        (ROADMAP "Sharing": n > 1 forks the prompt's blocks).
+      n: completions per prompt (parallel sampling). The prompt is prefilled once and
+        forked ``n`` ways: its full blocks are shared, and the partly filled last one is
+        copied on first write. Completion i draws from its own stream, a pure function of
+        (request seed, i, step); completion 0's is the request's (as with n = 1).
     """
 
     max_tokens: int = 16
@@ -64,15 +66,18 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
         if not is_int(self.n) or self.n < 1:
             raise ValueError(f"n={self.n!r}: must be an int >= 1")
-        if self.n > 1:
-            raise NotImplementedError(
-                f"n={self.n}: parallel sampling (n > 1, forking the prompt's blocks) is a "
-                "later issue (ROADMAP 'Sharing'); use n=1"
-            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def completion_seed(request_seed: int, completion: int) -> int:
+    """uint32 seed of completion ``completion`` of a request seeded ``request_seed``:
+    the request's own for completion 0, an independent stream for the others."""
+    if completion == 0:
+        return request_seed
+    return int(np.random.SeedSequence([request_seed, completion]).generate_state(1)[0])
 
 
 def seed_for(engine_seed: int, request_id: str, seed: int | None) -> int:
@@ -158,3 +163,20 @@ def sample(
         tokens = jnp.where(temperature == 0, tokens, sampled)
     logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
     return tokens, logprobs
+
+
+def top_logprobs(logits: jax.Array, temperature: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The ``k`` most likely tokens of each row and their log-probabilities.
+
+    Args:
+      logits: f32[B, V].
+      temperature: f32[B]: the distribution is ``log_softmax(logits / temperature)``; 0
+        means 1 (the model's own log-probabilities, as vLLM reports them).
+      k: static, <= V.
+
+    Returns (logprobs f32[B, k], ids int32[B, k]), most likely first; ties by lower id.
+    """
+    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32) / t, axis=-1)
+    values, ids = jax.lax.top_k(logprobs, k)
+    return values, ids.astype(jnp.int32)

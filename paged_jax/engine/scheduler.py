@@ -3,20 +3,21 @@
 Host side only: it holds the queues of requests (``SequenceGroup``s) and decides; it
 plans every device action into a ``StepPlan`` that the ``ModelRunner`` executes, and it
 counts blocks on the runner's ``HostView`` (the block manager's own answers as of the
-last step, moved forward through the releases, forks and restores the plan makes), so
-counting is exact when completions share blocks, and no decision syncs the device. Every
-admission decision goes through the cache accounting (paged or static,
-``accounting.py``).
+last step, moved forward through the releases, forks, beam selections and restores the
+plan makes), so counting is exact when completions share blocks, and no decision syncs
+the device. Every admission decision goes through the cache accounting (paged or
+static, ``accounting.py``).
 
 One step (``schedule``), under a token budget of ``max_num_batched_tokens``:
 
 1. Rows of sequences that finished last step are released.
-2. Running requests: every decoding sequence (one pending token) gets 1 token; then those
-   in the middle of a chunked prefill get the next chunk, in admission order, while the
-   budget lasts. The blocks all these appends need (``HostView.blocks_needed``: new
-   blocks plus copy-on-write targets) must fit in the free pool; while they do not, the
-   victim policy picks a running request to preempt (the whole group) and the plan is
-   redone without it.
+2. Running requests: members get their rows (a beam step's ``select_parents``; forks
+   from the leader once it holds the shared prefix, see ``sequence.py``); every decoding
+   sequence (one pending token) gets 1 token; then those in the middle of a chunked
+   prefill get the next chunk, in admission order, while the budget lasts. The blocks
+   all these appends need (``HostView.blocks_needed``: new blocks plus copy-on-write
+   targets) must fit in the free pool; while they do not, the victim policy picks a
+   running request to preempt (the whole group) and the plan is redone without it.
 3. If nothing was preempted this step: swapped requests come back (oldest first) while
    their blocks plus their next appends fit above the watermark.
 4. If nothing was preempted and nothing is still swapped out: waiting requests are
@@ -26,8 +27,9 @@ One step (``schedule``), under a token budget of ``max_num_batched_tokens``:
 Preemption, ``preemption_mode``:
 
 - ``"recompute"``: release the victim's rows; it goes to the front of the waiting queue
-  with nothing computed, and is later prefilled again from prompt + output so far.
-- ``"swap"``: copy its blocks to the host swap pool (a block its completions share goes
+  with nothing computed, and is later prefilled again from prompt + output so far (its
+  members forked from a leader again, sharing the prompt).
+- ``"swap"``: copy its blocks to the host swap pool (a block its members share goes
   once), release the device rows; it comes back through step 3 into fresh device blocks
   with the same sharing. When the host pool cannot take it, it is recomputed instead
   (counted as a swap fallback).
@@ -90,6 +92,26 @@ class ScheduledStep:
     swapped_out: list[SequenceGroup]  # aligned with plan.swap_out
 
 
+@dataclasses.dataclass
+class _Prep:
+    """The running groups' row-making ops of a step, before they are committed."""
+
+    select: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (row, parent row)
+    fork: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (parent row, child row)
+    computed: dict = dataclasses.field(default_factory=dict)  # id(seq) -> num_computed once made
+    groups: list[SequenceGroup] = dataclasses.field(default_factory=list)  # with a pending select made
+
+
+def group_blocks(group: SequenceGroup, block_size: int) -> int:
+    """Blocks a (re)admitted group holds once its members are rebuilt: the leader's full
+    blocks of the shared prefix once, each member's other blocks privately."""
+    members = group.live
+    if len(members) == 1:
+        return blocks_for(members[0].num_tokens, block_size)
+    shared = group.shared_prefix // block_size
+    return shared + sum(blocks_for(s.num_tokens, block_size) - shared for s in members)
+
+
 class Scheduler:
     """Queues and decisions. ``accounting`` is a ``PagedAccounting`` or ``StaticAccounting``."""
 
@@ -115,12 +137,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    @property
-    def view(self) -> HostView:
-        """The block manager as the host knows it now: the runner's view of the last step,
-        less the rows released since."""
-        return self.runner.view.released(self._to_release)
-
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> ScheduledStep:
@@ -129,17 +145,18 @@ class Scheduler:
         cfg = self.config
         plan = StepPlan(release=self._to_release)
         self._to_release = []
-        view = self.runner.view.released(plan.release)
+        base = self.runner.view.released(plan.release)
         swapped_out: list[SequenceGroup] = []
         budget = cfg.max_num_batched_tokens
         preempted = False
         while True:
-            work = self._plan_running(budget)
+            view, prep, work = self._plan_running(base, budget)
             need = int(view.blocks_needed([s.slot for s, _ in work], [n for _, n in work]).sum())
             if need <= view.num_free:
                 break
-            view = self._preempt(self._pick_victim(view), plan, view, swapped_out)
+            base = self._preempt(self._pick_victim(base), plan, base, swapped_out)
             preempted = True
+        self._commit(prep, plan)
         free = view.num_free - need
         budget -= sum(n for _, n in work)
         # Kept free for the running sequences' growth over the next steps (paged only:
@@ -150,10 +167,16 @@ class Scheduler:
             while self.swapped and budget >= len(self.swapped[0].live) and self._rows_for(self.swapped[0]):
                 group = self.swapped[0]
                 slots = self._free_slots[-len(group.live):][::-1]
-                returning = view.restored(slots, group.swapped.lens, group.swapped.local_tables,
+                rows = [slot for seq, slot in zip(group.live, slots, strict=True) if seq.row_live]
+                returning = view.restored(rows, group.swapped.lens, group.swapped.local_tables,
                                           len(group.swapped.host_ids))
-                items = [(s, min(s.num_pending, max(budget // len(slots), 1))) for s in group.live]
-                grow = int(returning.blocks_needed(slots, [n for _, n in items]).sum())
+                # A beam step chosen before the swap-out is made next step, before any feed.
+                items = [] if group.pending_select is not None else [
+                    (s, min(s.num_pending, max(budget // len(slots), 1)))
+                    for s, slot in zip(group.live, slots, strict=True) if s.row_live and s.num_pending
+                ]
+                item_slots = [slots[group.live.index(s)] for s, _ in items]
+                grow = int(returning.blocks_needed(item_slots, [n for _, n in items]).sum())
                 held = len(group.swapped.host_ids)
                 if not self.accounting.can_admit(held + grow, free - reserve, bool(self.running), len(slots)):
                     break
@@ -167,17 +190,14 @@ class Scheduler:
         if not preempted and not self.swapped:
             while self.waiting and budget >= 1 and self._rows_for(self.waiting[0]):
                 group = self.waiting[0]
-                blocks = blocks_for(group.num_tokens, cfg.block_size)
+                blocks = group_blocks(group, cfg.block_size)
                 if not self.accounting.can_admit(blocks, free - reserve, bool(self.running), len(group.live)):
                     break
                 self.waiting.popleft()
-                self._admit(group, plan)
-                for seq in group.live:
-                    n = min(seq.num_pending, budget)
-                    if n >= 1:
-                        work.append((seq, n))
-                        budget -= n
-                # Charge the whole prompt now: its later chunks must not be promised away.
+                for seq, n in self._admit(group, plan, budget):
+                    work.append((seq, n))
+                    budget -= n
+                # Charge the whole request now: its later chunks must not be promised away.
                 free -= blocks
         plan.work = [self._work(s, n) for s, n in work]
         return ScheduledStep(plan, [s for s, _ in work], swapped_out)
@@ -188,7 +208,10 @@ class Scheduler:
     @staticmethod
     def _work(seq: Sequence, n: int) -> Work:
         # The token index is the output length: the same whenever this token is sampled.
-        p = seq.params
+        p, group = seq.params, seq.group
+        if group is not None and group.beam is not None:
+            return Work(seq.slot, seq.pending_token_ids(n), SampleRow(0.0, -1, 1.0, 0, 0),
+                        top=group.beam.num_candidates, top_temperature=p.temperature)
         return Work(seq.slot, seq.pending_token_ids(n),
                     SampleRow(p.temperature, p.top_k, p.top_p, seq.seed, len(seq.output_token_ids)))
 
@@ -211,31 +234,75 @@ class Scheduler:
                 total += blocks_for(min(s.num_tokens + k, final), bs) - blocks_for(held, bs)
         return total
 
-    def _plan_running(self, budget: int) -> list[tuple[Sequence, int]]:
-        """Decodes first (1 token each), then prefill chunks in admission order."""
-        live = [s for group in self.running for s in group.live]
-        work = [(s, 1) for s in live if s.num_pending == 1]
+    def _plan_running(self, view: HostView, budget: int) -> tuple[HostView, _Prep, list[tuple[Sequence, int]]]:
+        """The running groups' row-making ops and work, without committing anything:
+        decodes first (1 token each), then prefill chunks in admission order. Returns the
+        view after the ops."""
+        prep = _Prep()
+        pending = []  # (seq, tokens it may feed now) in admission order
+        for group in self.running:
+            members = group.live
+            if group.pending_select is not None:
+                rows = [s.slot for s in members]
+                parents = [members[i].slot for i in group.pending_select]
+                view = view.selected(rows, parents)
+                prep.select += list(zip(rows, parents, strict=True))
+                prep.groups.append(group)
+                for s, i in zip(members, group.pending_select, strict=True):
+                    prep.computed[id(s)] = members[i].num_computed
+            unborn = [s for s in members if not s.row_live and group.pending_select is None]
+            leader = next((s for s in members if s.row_live), None)
+            if unborn and group.forks_members() and leader is not None and leader.num_computed == group.shared_prefix:
+                view = view.forked([leader.slot] * len(unborn), [s.slot for s in unborn])
+                prep.fork += [(leader.slot, s.slot) for s in unborn]
+                for s in unborn:
+                    prep.computed[id(s)] = leader.num_computed
+                unborn = []
+            for s in members:
+                if not (s.row_live or id(s) in prep.computed):
+                    continue
+                todo = s.num_tokens - prep.computed.get(id(s), s.num_computed)
+                if s is leader and unborn and group.forks_members():
+                    todo = min(todo, group.shared_prefix - s.num_computed)  # stop at the fork point
+                if todo > 0:
+                    pending.append((s, todo))
+        work = [(s, 1) for s, todo in pending if todo == 1]
         budget -= len(work)
-        for s in live:
-            if s.num_pending > 1 and budget > 0:
-                n = min(s.num_pending, budget)
+        for s, todo in pending:
+            if todo > 1 and budget > 0:
+                n = min(todo, budget)
                 work.append((s, n))
                 budget -= n
-        return work
+        return view, prep, work
+
+    def _commit(self, prep: _Prep, plan: StepPlan) -> None:
+        """Make the planned row-making ops real: in the plan, and on the members."""
+        plan.select, plan.fork = prep.select, prep.fork
+        for group in self.running:
+            for s in group.live:
+                if id(s) in prep.computed:
+                    s.num_computed = prep.computed[id(s)]
+                    s.row_live = True
+        for group in prep.groups:
+            group.pending_select = None
 
     # ------------------------------------------------------------------ after the step
 
-    def finish(self, seqs: list[Sequence]) -> None:
-        """Sequences that finished this step: their rows are released at the start of the
-        next step (or by ``LLMEngine.flush``); a group whose members are all done leaves."""
-        for s in seqs:
-            self._to_release.append(s.slot)
+    def finish(self, seqs: list[Sequence], groups: list[SequenceGroup] = ()) -> None:
+        """Sequences that finished this step, and beam searches that ended (all their
+        members): their rows are released at the start of the next step (or by
+        ``LLMEngine.flush``); a group whose members are all done leaves."""
+        ended = list(seqs) + [s for g in groups for s in g.live]
+        for s in ended:
+            if s.row_live:
+                self._to_release.append(s.slot)
             self._free_slots.append(s.slot)
-            s.slot = None
+            s.slot, s.row_live = None, False
             self.accounting.on_release(1)
-        for group in {id(s.group): s.group for s in seqs if s.group.finished}.values():
-            self.running.remove(group)
-            group.status = SeqStatus.FINISHED
+        for group in {id(s.group): s.group for s in ended}.values():
+            if group.finished:
+                self.running.remove(group)
+                group.status = SeqStatus.FINISHED
 
     @property
     def pending_rows(self) -> list[int]:
@@ -257,11 +324,27 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission
 
-    def _admit(self, group: SequenceGroup, plan: StepPlan) -> None:
-        for seq in group.live:
+    def _admit(self, group: SequenceGroup, plan: StepPlan, budget: int) -> list[tuple[Sequence, int]]:
+        """Reserve a row per member and open the leader's (every member's, when there is no
+        shared prefix to wait for); returns the leader's first chunk."""
+        members = group.live
+        for seq in members:
             seq.slot = self._free_slots.pop()
+        opened = members if (group.forks_members() and group.shared_prefix == 0) else members[:1]
+        for seq in opened:
             plan.open.append(seq.slot)
+            seq.row_live = True
         self._start(group)
+        work = []
+        for seq in opened:
+            todo = seq.num_pending
+            if len(opened) < len(members) and group.forks_members():
+                todo = min(todo, group.shared_prefix)
+            n = min(todo, budget)
+            if n >= 1:
+                work.append((seq, n))
+                budget -= n
+        return work
 
     def _start(self, group: SequenceGroup) -> None:
         self.accounting.on_admit(len(group.live))
@@ -275,47 +358,53 @@ class Scheduler:
     def _pick_victim(self, view: HostView) -> SequenceGroup:
         if not self.accounting.may_preempt:
             raise AssertionError("static reservations ran out of blocks: accounting bug")
-        infos = [g.info(view.blocks_held([s.slot for s in g.live])) for g in self.running]
+        infos = [g.info(view.blocks_held([s.slot for s in g.live if s.row_live])) for g in self.running]
         return self.running[self.config.victim_policy(infos)]
 
     def _preempt(self, group: SequenceGroup, plan: StepPlan, view: HostView, swapped_out: list) -> HostView:
         """Plan the victim's preemption; returns the view without its rows."""
         self.running.remove(group)
         group.num_preemptions += 1
-        slots = [s.slot for s in group.live]
-        self.accounting.on_release(len(slots))
-        for s in group.live:
-            self._free_slots.append(s.slot)
-            s.slot = None
+        members = group.live
+        rows = [s.slot for s in members if s.row_live]
+        self.accounting.on_release(len(members))
         if self.config.preemption_mode == "swap":
-            blocks = view.blocks_held(slots)
-            planned = sum(view.blocks_held(rows) for rows in plan.swap_out)
+            blocks = view.blocks_held(rows)
+            planned = sum(view.blocks_held(r) for r in plan.swap_out)
             if blocks and self.swapping and self.runner.swap_pool.can_store(planned + blocks):
-                plan.swap_out.append(slots)
+                for s in members:
+                    self._free_slots.append(s.slot)
+                    s.slot = None
+                plan.swap_out.append(rows)
                 swapped_out.append(group)
                 group.status = SeqStatus.SWAPPED
                 self.swapped.appendleft(group)
                 self.counters.preemptions["swap"] += 1
                 self.counters.swap_outs += 1
                 self.counters.blocks_swapped_out += blocks
-                return view.released(slots)
+                return view.released(rows)
             self.counters.swap_fallbacks += 1
-        plan.release += slots
-        for s in group.live:
-            s.num_computed = 0
+        plan.release += rows
+        for s in members:
+            self._free_slots.append(s.slot)
+            s.slot, s.row_live, s.num_computed, s.candidates = None, False, 0, None
+        group.pending_select = None  # the members' histories already hold the beam step
         group.status = SeqStatus.WAITING
         # appendleft: victims are taken newest first, so older ones end up in front.
         self.waiting.appendleft(group)
         self.counters.preemptions["recompute"] += 1
-        return view.released(slots)
+        return view.released(rows)
 
     # ------------------------------------------------------------------ swap
 
     def _swap_in(self, group: SequenceGroup, slots: list[int], plan: StepPlan) -> None:
+        rows = []
         for seq, slot in zip(group.live, slots, strict=True):
             self._free_slots.remove(slot)
             seq.slot = slot
-        plan.swap_in.append(SwapIn(slots, group.swapped))
+            if seq.row_live:
+                rows.append(slot)
+        plan.swap_in.append(SwapIn(rows, group.swapped))
         self.counters.swap_ins += 1
         self.counters.blocks_swapped_in += len(group.swapped.host_ids)
         group.swapped = None

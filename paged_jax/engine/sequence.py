@@ -1,11 +1,24 @@
 """Requests and their completions on the host: tokens, where their KV lives, why they stopped.
 
-A ``SequenceGroup`` is one request: its prompt, its sampling parameters and its member
-``Sequence``s (one per completion; a plain request has one). The scheduler admits,
-preempts and swaps whole groups, because the members of a group may share KV blocks
-(forked from the same prompt): preempting one member alone would free little and
-recomputing it alone would lose the sharing. Members finish one by one; a group is done
-when every member is.
+A ``SequenceGroup`` is one request: its prompt, its parameters and its member
+``Sequence``s (one per completion of a sampling request, one per beam of a beam search).
+The scheduler admits, preempts and swaps whole groups, because the members of a group
+share KV blocks (forked from the same prompt): preempting one member alone would free
+little and recomputing it alone would lose the sharing.
+
+How members get their table rows. Only the group's leader (its first live member) is
+opened when the group is admitted; it prefills the prompt. The others get their rows
+from it:
+
+- sampling (``n > 1``), and any group rebuilt after a recompute preemption: once the
+  leader holds the *shared prefix* (the prompt less its last token, ``shared_prefix``),
+  the others are forked from it (every full block shared) and each feeds its own
+  pending tokens from there, so a partly filled last block is copied on first write;
+- beam search, before its first step: the leader prefills the whole prompt, and the first
+  beam step makes every beam a child of it (``select_parents``). From then on each beam
+  step rebuilds every beam's row from its parent's (``pending_select``).
+
+Sampling completions finish one by one; a beam search ends as a whole.
 
 A ``Sequence`` is one completion's mutable bookkeeping; nothing on the device refers to it.
 Its KV state is summarised by two numbers:
@@ -66,7 +79,9 @@ class Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: FinishReason | None = None
     num_computed: int = 0  # tokens with K/V in the cache (see module docstring)
-    slot: int | None = None  # block-table row while its group runs
+    slot: int | None = None  # block-table row while its group runs (reserved before it is live)
+    row_live: bool = False  # the row exists on the device (opened, forked, selected or restored)
+    candidates: Any = None  # beam search: (logprobs, ids) of its next token's top-K, once fed
     group: SequenceGroup | None = dataclasses.field(default=None, repr=False)  # set by the group
 
     @property
@@ -105,6 +120,9 @@ class SequenceGroup:
       admitted_at: scheduler clock at its latest admission (victim order).
       num_preemptions: times the group was preempted.
       swapped: while SWAPPED, the host copy of its blocks (``swap.SwappedBlocks``).
+      beam: for a beam search, its ``beam.BeamState``; None for sampling.
+      pending_select: beam search: the parent (member index) of each member's new row,
+        chosen by the last beam step and not yet made on the device.
     """
 
     request_id: str
@@ -116,10 +134,23 @@ class SequenceGroup:
     admitted_at: int = -1
     num_preemptions: int = 0
     swapped: Any = None
+    beam: Any = None
+    pending_select: list[int] | None = None
+    eos: tuple[int, ...] = ()  # beam search: the ids that end a hypothesis
 
     def __post_init__(self):
         for seq in self.seqs:
             seq.group = self
+
+    @property
+    def shared_prefix(self) -> int:
+        """Tokens the leader holds before the other members are forked from it."""
+        return len(self.prompt_token_ids) - 1
+
+    def forks_members(self) -> bool:
+        """Whether members without a row get one by a fork from the leader (rather than
+        by the first beam step)."""
+        return self.beam is None or any(s.output_token_ids for s in self.seqs)
 
     @property
     def live(self) -> list[Sequence]:
@@ -128,6 +159,8 @@ class SequenceGroup:
 
     @property
     def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
         return all(s.finished for s in self.seqs)
 
     @property

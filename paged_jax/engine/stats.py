@@ -5,6 +5,11 @@ for (paged: slots of allocated blocks; static: slots of reserved blocks), measur
 the step's appends and before finished sequences are released. The summary averages it
 over steps (each step weighs the same: a time average in units of steps).
 
+Sharing: each step also records the blocks the live sequences would hold if nothing were
+shared (ceil(length / block_size) per sequence), beside the blocks actually allocated (a
+block several sequences share counted once); ``blocks_unshared`` and the per-request
+peaks in ``request_blocks`` (physical, unshared) measure what copy-on-write saves.
+
 Each step's wall time is also split into phases (``phase_seconds``): ``schedule`` (host
 decisions: the plan), ``run`` (the runner executing it: building the padded arrays,
 enqueueing the jitted calls and waiting for the step's one device fetch, i.e. the
@@ -53,6 +58,10 @@ class EngineStats:
     peak_charged_blocks: int = 0
     peak_allocated_blocks: int = 0
     charged_blocks_sum: int = 0
+    peak_unshared_blocks: int = 0
+    unshared_blocks_sum: int = 0
+    allocated_blocks_sum: int = 0
+    request_blocks: dict = dataclasses.field(default_factory=dict)  # request id -> (peak physical, peak unshared)
     phase_seconds: dict = dataclasses.field(default_factory=dict)
     timeline: list[StepRecord] = dataclasses.field(default_factory=list)
 
@@ -69,6 +78,8 @@ class EngineStats:
         waiting: int = 0,
         compile_seconds: float = 0.0,
         phases: dict | None = None,
+        unshared_blocks: int | None = None,
+        request_blocks: dict | None = None,
     ) -> None:
         """One engine step: ``batch`` sequences ran, ``generated`` tokens were sampled;
         ``waiting`` requests were still not running after it (waiting or swapped out);
@@ -82,6 +93,13 @@ class EngineStats:
         self.peak_allocated_blocks = max(self.peak_allocated_blocks, allocated_blocks)
         self.peak_charged_blocks = max(self.peak_charged_blocks, charged_blocks)
         self.charged_blocks_sum += charged_blocks
+        unshared = allocated_blocks if unshared_blocks is None else unshared_blocks
+        self.peak_unshared_blocks = max(self.peak_unshared_blocks, unshared)
+        self.unshared_blocks_sum += unshared
+        self.allocated_blocks_sum += allocated_blocks
+        for rid, (physical, private) in (request_blocks or {}).items():
+            peak = self.request_blocks.get(rid, (0, 0))
+            self.request_blocks[rid] = (max(peak[0], physical), max(peak[1], private))
         for name, sec in (phases or {}).items():
             self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + sec
         self.timeline.append(
@@ -105,6 +123,10 @@ class EngineStats:
             "peak_blocks_used": self.peak_charged_blocks,
             "peak_blocks_allocated": self.peak_allocated_blocks,
             "mean_blocks_used": self.charged_blocks_sum / steps,
+            "mean_blocks_allocated": self.allocated_blocks_sum / steps,
+            "peak_blocks_unshared": self.peak_unshared_blocks,
+            "mean_blocks_unshared": self.unshared_blocks_sum / steps,
+            "request_peak_blocks": {rid: {"physical": a, "unshared": b} for rid, (a, b) in self.request_blocks.items()},
             "num_blocks": self.num_blocks,
             "phase_seconds": dict(self.phase_seconds),
             **self._phases(),

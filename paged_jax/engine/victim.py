@@ -1,4 +1,4 @@
-"""Victim policies: which running sequence to preempt when the pool runs dry (seed M5).
+"""Victim policies: which running sequence to preempt when the pool runs dry (M5 in docs/SEED.md).
 
 A victim policy is a pure function ``(running: Sequence[SeqInfo]) -> index`` into
 ``running`` (which is never empty). The block manager offers the mechanism (release,

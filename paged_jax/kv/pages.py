@@ -9,7 +9,7 @@ tensor parallelism can shard it without touching the block axis.
 "A block" is every leaf's slice at the block axis. Every leaf has the shape
 ``[..., num_blocks, block_size, F]``: the block axis is the third from last, the
 in-block token offset the second from last, and ``F`` a per-token feature (``head_dim``
-for K and V; a scale or a group of scales for quantised pages, which later waves add as
+for K and V; a scale or a group of scales for quantised pages, which are added as
 extra leaves). All block helpers below (copy, read, write, poison) tree-map over leaves with that
 convention and accept any such pytree, not just ``KVPages``, so
 copy-on-write, swap and poisoning carry whatever a block holds, and every helper works

@@ -30,6 +30,7 @@ out]``, the transpose of HF's ``weight``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -213,8 +214,23 @@ class LlamaForCausalLM(nnx.Module):
 
 
 def init_params(config: ModelConfig, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
-    """Random weights (flax default initialisers): ``(graphdef, params)`` from ``nnx.split``."""
-    return nnx.split(LlamaForCausalLM(config, rngs=nnx.Rngs(seed)))
+    """Random weights (flax default initialisers): ``(graphdef, params)`` from ``nnx.split``.
+
+    One jitted program per config (built eagerly, the initialisers would dispatch and
+    compile op by op: seconds per call on CPU, growing with depth)."""
+    graphdef, params = _jitted_init(config)(jax.random.key(seed))
+    return graphdef, params
+
+
+@functools.cache
+def _jitted_init(config: ModelConfig):
+    graphdef = nnx.split(nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0))))[0]
+
+    @jax.jit
+    def init(key):
+        return nnx.split(LlamaForCausalLM(config, rngs=nnx.Rngs(key)))[1]
+
+    return lambda key: (graphdef, init(key))
 
 
 # --------------------------------------------------------------------------- backends

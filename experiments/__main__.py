@@ -5,6 +5,8 @@ Studies (each a module with main(argv) that prints a table and writes DIR/<study
   decode_step   paged vs contiguous decode step; block-management share of a step
   throughput    paged vs static KV allocation under one memory budget (claim C8, docs/SEED.md)
   compile_time  first-call time vs model depth (layers under one scan)
+  beam          beam search: KV memory saved by sharing (claim C6), prefix sweep, step cost
+  parallel      parallel sampling (n > 1): KV memory saved by sharing the prompt, throughput
   kernel_bench  Pallas paged attention on a GPU (interpret-mode smoke with --quick on CPU)
   demo          the headline study in quick mode (what `make demo` runs)
   all           every CPU study
@@ -15,9 +17,9 @@ from __future__ import annotations
 import importlib
 import sys
 
-STUDIES = ["allocator", "decode_step", "throughput", "compile_time", "kernel_bench"]
+STUDIES = ["allocator", "decode_step", "throughput", "compile_time", "beam", "parallel", "kernel_bench"]
 DEMO = "throughput"  # the headline study
-CPU_STUDIES = ["allocator", "decode_step", "throughput", "compile_time"]
+CPU_STUDIES = ["allocator", "decode_step", "throughput", "compile_time", "beam", "parallel"]
 
 
 def _run(name: str, argv: list[str]):

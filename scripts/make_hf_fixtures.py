@@ -3,8 +3,8 @@
 Run once, by hand, with torch and transformers installed (they are NOT test
 dependencies; the tests read only the files written here):
 
-    .venv/bin/pip install torch==2.13.0 transformers
-    HF_HUB_OFFLINE=1 .venv/bin/python scripts/make_hf_fixtures.py [--out tests/fixtures]
+    python -m venv /tmp/hf && /tmp/hf/bin/pip install torch==2.13.0 transformers safetensors numpy
+    HF_HUB_OFFLINE=1 /tmp/hf/bin/python scripts/make_hf_fixtures.py [--out tests/fixtures] [--beam]
 
 For each architecture it writes ``<out>/<name>/`` (config.json + safetensors) and
 ``<out>/<name>/expected.npz`` with, per prompt i:
@@ -17,6 +17,15 @@ For each architecture it writes ``<out>/<name>/`` (config.json + safetensors) an
 Expected outputs are always computed in float32 from the weights as saved (the bf16
 checkpoint is reloaded as float32), so the tests can compare at fp32 tolerance.
 ``<out>/metadata.json`` records the transformers and torch versions and the settings.
+
+``--beam`` (re)writes only the beam-search fixtures, from the checkpoints already in
+``<out>`` (the weights are not touched): ``<out>/<name>/beam.json`` for ``BEAM_MODELS``,
+one entry per case with the prompt, the ``generate(num_beams=W, num_return_sequences=W,
+do_sample=False, ...)`` settings, each returned hypothesis' tokens (prompt + generated, up
+to and including the EOS that ended it) and its ``sequences_scores``. The cases cover
+widths 1, 2, 4, 8; no EOS and a frequent EOS (the token the model emits most often under
+greedy decoding of the prompts, so hypotheses finish early); length_penalty 0.5, 1, 2;
+early_stopping True, False, "never".
 
 Fixtures:
 - ``llama``: LlamaForCausalLM, GQA (4 q / 2 kv heads), llama3 rope_scaling (all three
@@ -131,11 +140,110 @@ def _expected(model, torch, vocab: int, seed: int) -> dict[str, np.ndarray]:
     return out
 
 
+BEAM_MODELS = ("llama", "qwen2")
+BEAM_PROMPT_LENS = (3, 6, 11)
+BEAM_MAX_NEW = 10
+
+
+def _beam_cases():
+    """(width, eos?, length_penalty, early_stopping): every width with the defaults, and
+    every length penalty x early-stopping rule at width 4, each with and without EOS."""
+    cases = [(w, eos, 1.0, False) for w in (1, 2, 4, 8) for eos in (False, True)]
+    cases += [(4, eos, lp, es) for eos in (False, True) for lp in (0.5, 1.0, 2.0) for es in (True, False, "never")]
+    return list(dict.fromkeys(cases))
+
+
+def _frequent_token(model, torch, prompts) -> int:
+    """The token greedy decoding of ``prompts`` emits most often (a good EOS for tests)."""
+    counts = {}
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=BEAM_MAX_NEW, do_sample=False, attention_mask=torch.ones_like(ids))
+        for t in out[0, len(prompt):].tolist():
+            counts[t] = counts.get(t, 0) + 1
+    return max(counts, key=lambda t: (counts[t], -t))
+
+
+def _greedy_as_beam(out, torch, prompt, eos_id, lp):
+    """transformers runs ``num_beams=1`` as greedy search, which reports no
+    ``sequences_scores``; one beam is greedy (a finished EOS hypothesis always outscores
+    the beam that continues without it), so the score is computed the way beam search
+    would: the generated tokens' summed log-softmax over the generated length ** lp."""
+    tokens = out.sequences[0].tolist()
+    generated = tokens[len(prompt):]
+    if eos_id is not None and eos_id in generated:
+        generated = generated[: generated.index(eos_id) + 1]
+    logprobs = [torch.log_softmax(step[0].double(), dim=-1)[t].item() for step, t in zip(out.scores, generated)]
+    return [prompt + generated], [sum(logprobs) / len(generated) ** lp]
+
+
+def _beam_fixture(model, torch, vocab: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, vocab, size=n).tolist() for n in BEAM_PROMPT_LENS]
+    eos_id = _frequent_token(model, torch, prompts)
+    cases = []
+    for width, use_eos, lp, es in _beam_cases():
+        for prompt in prompts:  # one prompt per generate: no padding, exact positions
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                out = model.generate(
+                    ids, num_beams=width, num_return_sequences=width, do_sample=False, max_new_tokens=BEAM_MAX_NEW,
+                    length_penalty=lp, early_stopping=es, eos_token_id=eos_id if use_eos else None,
+                    pad_token_id=0, output_scores=True, return_dict_in_generate=True,
+                    attention_mask=torch.ones_like(ids),
+                )
+            if width == 1:
+                seqs, scores = _greedy_as_beam(out, torch, prompt, eos_id if use_eos else None, lp)
+            else:
+                generated = (out.beam_indices != -1).sum(dim=1).tolist()  # each hypothesis' own length
+                seqs = [out.sequences[i, : len(prompt) + n].tolist() for i, n in enumerate(generated)]
+                scores = out.sequences_scores.tolist()
+            cases.append({
+                "prompt": prompt, "beam_width": width, "max_new_tokens": BEAM_MAX_NEW, "length_penalty": lp,
+                "early_stopping": es, "eos_token_id": eos_id if use_eos else None,
+                "sequences": seqs, "scores": scores,
+            })
+    return {"eos_token_id": eos_id, "cases": cases}
+
+
+def main_beam(out_dir: str) -> int:
+    import torch
+    import transformers
+
+    torch.use_deterministic_algorithms(True)
+    meta_path = os.path.join(out_dir, "metadata.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    meta["beam"] = {"transformers": transformers.__version__, "torch": torch.__version__,
+                    "models": list(BEAM_MODELS), "prompt_lens": list(BEAM_PROMPT_LENS), "max_new_tokens": BEAM_MAX_NEW}
+    for seed, name in enumerate(BEAM_MODELS):
+        target = os.path.join(out_dir, name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+        model.generation_config.eos_token_id = None
+        model.generation_config.pad_token_id = 0
+        fixture = _beam_fixture(model, torch, model.config.vocab_size, seed=200 + seed)
+        path = os.path.join(target, "beam.json")
+        with open(path, "w") as f:
+            json.dump(fixture, f)
+        os.chmod(path, 0o644)
+        finished_early = sum(len(s) < len(c["prompt"]) + c["max_new_tokens"] for c in fixture["cases"]
+                             for s in c["sequences"])
+        print(f"{name}: {len(fixture['cases'])} beam cases, eos {fixture['eos_token_id']}, "
+              f"{finished_early} hypotheses ended before max_new_tokens")
+    with open(meta_path, "w") as f:
+        json.dump(meta, f, indent=2, sort_keys=True)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures"))
+    parser.add_argument("--beam", action="store_true", help="write only the beam-search fixtures (beam.json)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.beam:
+        return main_beam(args.out)
 
     import torch
     import transformers

@@ -18,6 +18,7 @@ from paged_jax.cache import (
     Status,
     append_slots,
     blocks_needed,
+    check_invariants,
     fork,
     init_state,
     num_free_blocks,
@@ -28,6 +29,7 @@ from paged_jax.cache import (
     select_parents,
     set_debug_checks,
     truncate,
+    unshare,
     with_debug_checks,
 )
 from paged_jax.cache import state as cache_state
@@ -170,6 +172,38 @@ def test_select_parents_revives_a_dead_row():
     state, status = select_parents(state, i32(4), i32(0))
     assert (np.asarray(status) == 0).all() and bool(state.active[4])
     assert int(state.ref_counts[state.block_tables[0, 0]]) == 2
+
+
+def test_unshare_copies_every_shared_block_and_the_last_holder_keeps_it():
+    state = with_tokens(new_state(), {0: 6})  # blocks [a, b], b partly filled
+    state, _ = fork(state, i32(0, 0), i32(1, 2))  # three rows share a and b (counts 3)
+    a, b = np.asarray(state.block_tables[0, :2]).tolist()
+    state, out = jax.jit(unshare)(state, i32(1, 0, -1))  # padding is ignored
+    assert (np.asarray(out.status) == 0).all()
+    # Row 1 copies both (counts 3 -> 2), then row 0 copies both (2 -> 1): row 2 keeps them.
+    src, dst = np.asarray(out.copy_src), np.asarray(out.copy_dst)
+    pairs = [(int(x), int(y)) for x, y in zip(src, dst) if x >= 0]
+    assert [x for x, _ in pairs] == [a, b, a, b] and len({y for _, y in pairs}) == 4
+    assert np.asarray(state.block_tables[2, :2]).tolist() == [a, b]
+    for row, copies in ((1, pairs[:2]), (0, pairs[2:])):
+        assert np.asarray(state.block_tables[row, :2]).tolist() == [y for _, y in copies]
+    assert (np.asarray(state.ref_counts)[[a, b] + [y for _, y in pairs]] == 1).all()
+    assert int(num_free_blocks(state)) == 16 - 6
+    check_invariants(state)
+    # Nothing shared any more: a second call copies nothing.
+    state, out = unshare(state, i32(0, 1, 2))
+    assert (np.asarray(out.copy_src) == -1).all() and int(num_free_blocks(state)) == 10
+
+
+def test_unshare_with_too_few_free_blocks_changes_nothing():
+    state = with_tokens(new_state(num_blocks=4), {0: 6})
+    state, _ = fork(state, i32(0, 0), i32(1, 2))  # 2 blocks held, 2 free; unsharing 1 and 2 needs 4
+    before = jax.device_get(state)
+    state, out = unshare(state, i32(1, 2))
+    assert np.asarray(out.status).tolist() == [Status.NO_FREE_BLOCKS] * 2
+    assert (np.asarray(out.copy_dst) == -1).all()
+    for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(state))):
+        np.testing.assert_array_equal(x, y)
 
 
 def test_truncate_releases_blocks_past_the_new_end():
@@ -342,6 +376,7 @@ def test_donated_state_is_updated_in_place(batch):
         "release": (release, (ids,)),
         "truncate": (truncate, (ids, ids)),
         "select_parents": (select_parents, (ids, ids)),
+        "unshare": (unshare, (ids,)),
     }
     for name, (fn, args) in ops.items():
         hlo = jax.jit(fn, donate_argnums=0).lower(state, *args).compile().as_text()

@@ -25,6 +25,7 @@ from paged_jax.cache import (
     restore_rows,
     select_parents,
     truncate,
+    unshare,
 )
 from paged_jax.cache import ops as cache_ops
 from paged_jax.cache.policies import AllocationPolicy, MaskPool, _ranks, lowest_id_first
@@ -47,6 +48,7 @@ def jitted():
         select=jax.jit(select_parents),
         blocks_needed=jax.jit(cache_ops.blocks_needed),
         restore=jax.jit(functools.partial(restore_rows, max_local=MAX_LOCAL)),
+        unshare=jax.jit(unshare),
     )
 
 
@@ -198,6 +200,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
         ref_status = self.ref.select_parents(s, parents)
         self._step(self.state, new, status, ref_status)
         return ref_status
+
+    @rule(data=st.data())
+    def unshare(self, data):
+        self._apply_unshare(self._ids(data, live=True))
+
+    def _apply_unshare(self, s):
+        new, out = self.ops["unshare"](self.state, pad(s))
+        src, dst = np.asarray(out.copy_src), np.asarray(out.copy_dst)
+        device_ids = None if self.policy.deterministic else [int(b) for b in dst if b >= 0]
+        ref_status, ref_copies = self.ref.unshare(s, device_ids)
+        self._step(self.state, new, out.status, ref_status)
+        assert [(int(a), int(b)) for a, b in zip(src, dst) if a >= 0] == ref_copies
+        assert ((src >= 0) == (dst >= 0)).all()
+        return ref_status, [int(b) for b in dst if b >= 0]
 
     @rule(data=st.data())
     def fork_and_append_together(self, data):

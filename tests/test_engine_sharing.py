@@ -10,6 +10,10 @@ manager's invariants, the device agreeing with the host, and the host view agree
 the device, after every step.
 """
 
+import functools
+import re
+
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from engine_fakes import VOCAB, fake_backend
@@ -84,6 +88,39 @@ def test_a_one_token_prompt_opens_every_completion_at_once():
     outs = _llm().generate([[5]], SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=6), use_tqdm=False)
     alone = _llm().generate([[5]], SamplingParams(temperature=1.0, seed=3, max_tokens=6), use_tqdm=False)
     assert outs[0].outputs[0].token_ids == alone[0].outputs[0].token_ids and len(outs[0].outputs) == 3
+
+
+@pytest.mark.parametrize("poison", ["source", "copy"])
+def test_copy_on_write_never_lets_a_sibling_read_the_other_block(poison):
+    """Two completions share the prompt's partial last block; the first decode copies it
+    for one of them. NaN written afterwards into one of the two blocks reaches the row
+    that holds it (its output changes) and never its sibling (output unchanged)."""
+    prompt = list(range(1, 7))  # 6 tokens, BS 4: block 1 is partial and shared by the fork
+    partial = len(prompt) // BS
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8)
+    reference = _completions(_llm().generate([prompt], params, use_tqdm=False))[0]
+    llm = _llm()
+    (group,) = llm.add_requests([prompt], params)
+    llm.engine.step()  # prefill: the prompt's blocks, in the first completion's row
+    source = int(llm.runner.view.block_tables[group.seqs[0].slot, partial])
+    while not all(s.row_live and s.num_computed > len(prompt) for s in group.seqs):
+        llm.engine.step()
+    tables = llm.runner.view.block_tables
+    rows = [tables[s.slot] for s in group.seqs]
+    assert rows[0][0] == rows[1][0]  # the full prompt block stays shared
+    blocks = [int(r[partial]) for r in rows]
+    assert source in blocks and blocks[0] != blocks[1]  # one kept the source, one got the copy
+    target = source if poison == "source" else sum(blocks) - source
+    owner = blocks.index(target)
+    pages = llm.runner.pages
+    llm.runner.pages = type(pages)(k=pages.k.at[:, :, target].set(jnp.nan), v=pages.v)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    llm.engine.flush()
+    got = _completions(llm.outputs([group]))[0]
+    assert got[1 - owner] == reference[1 - owner]  # the sibling never read the poisoned block
+    assert got[owner] != reference[owner]  # the poison was where the owner reads
+    _drained(llm)
 
 
 # ----------------------------------------------------------------------------- beam search
@@ -171,21 +208,28 @@ def _widest_group(running):
     return max(range(len(running)), key=lambda i: (running[i].num_seqs, running[i].admitted_at))
 
 
+MIXED_PROMPTS = _prompts(6, seed=9)
+MIXED_PARAMS = [
+    BeamSearchParams(beam_width=4, max_tokens=10, ignore_eos=True),
+    SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=12),
+    SamplingParams(temperature=0, max_tokens=12),
+    BeamSearchParams(beam_width=2, max_tokens=12, eos_token_id=[3, 4], early_stopping=True),
+    SamplingParams(n=2, temperature=0.7, seed=2, max_tokens=9),
+    SamplingParams(temperature=0, max_tokens=8),
+]
+
+
+@functools.cache
+def _mixed_roomy():
+    roomy = _llm().generate(MIXED_PROMPTS, MIXED_PARAMS, use_tqdm=False)
+    assert isinstance(roomy[0], BeamSearchOutput) and len(roomy[0].sequences) == 4
+    assert len(roomy[1].outputs) == 3 and len(roomy[5].outputs) == 1
+    return _completions(roomy)
+
+
 @pytest.mark.parametrize("victim", ["most_recently_admitted", _widest_group], ids=["latest", "widest"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_beams_parallel_and_plain_requests_mixed_under_pressure(mode, victim):
-    prompts = _prompts(6, seed=9)
-    params = [
-        BeamSearchParams(beam_width=4, max_tokens=10, ignore_eos=True),
-        SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=12),
-        SamplingParams(temperature=0, max_tokens=12),
-        BeamSearchParams(beam_width=2, max_tokens=12, eos_token_id=[3, 4], early_stopping=True),
-        SamplingParams(n=2, temperature=0.7, seed=2, max_tokens=9),
-        SamplingParams(temperature=0, max_tokens=8),
-    ]
-    roomy = _llm().generate(prompts, params, use_tqdm=False)
-    assert isinstance(roomy[0], BeamSearchOutput) and len(roomy[0].sequences) == 4
-    assert len(roomy[1].outputs) == 3 and len(roomy[5].outputs) == 1
     victims = []
 
     def spy(running):
@@ -195,11 +239,24 @@ def test_beams_parallel_and_plain_requests_mixed_under_pressure(mode, victim):
 
     policy = victim if callable(victim) else VICTIM_POLICIES[victim]
     llm = _llm(22, preemption_mode=mode, victim_policy=spy)
-    squeezed = llm.generate(prompts, params, use_tqdm=False)
-    assert _completions(squeezed) == _completions(roomy)
+    squeezed = llm.generate(MIXED_PROMPTS, MIXED_PARAMS, use_tqdm=False)
+    assert _completions(squeezed) == _mixed_roomy()
     assert llm.stats()["preemptions"][mode] > 0
     if callable(victim):
         assert 4 in victims  # a beam search of width 4 was preempted (and resumed) whole
+    _drained(llm)
+
+
+def test_without_sharing_every_fork_is_a_full_copy_and_outputs_are_unchanged():
+    """``share_blocks=False`` (the baseline of the beam study): forks and beam selections
+    copy every block, so physical blocks equal the unshared count at every step, and
+    the outputs are those of the sharing engine, under pressure too."""
+    llm = _llm(26, preemption_mode="swap", share_blocks=False)
+    assert _completions(llm.generate(MIXED_PROMPTS, MIXED_PARAMS, use_tqdm=False)) == _mixed_roomy()
+    assert llm.stats()["preemptions"]["swap"] > 0
+    timeline = llm.engine.stats.timeline
+    assert all(r.charged_blocks == r.unshared_blocks for r in timeline)
+    assert max(r.unshared_blocks for r in timeline) > 0
     _drained(llm)
 
 
@@ -233,7 +290,19 @@ def test_requests_that_can_never_fit_are_refused_up_front():
         llm.generate([[1, 2]], SamplingParams(n=5))
     with pytest.raises(ValueError, match=r"n=0: must be an int >= 1"):
         SamplingParams(n=0)
-    with pytest.raises(ValueError, match="can never fit"):  # 4 x 12 private blocks > 30
-        llm.beam_search([[1, 2]], BeamSearchParams(beam_width=4, max_tokens=46, ignore_eos=True))
     assert llm.stats()["steps"] == 0
+    # More blocks than the pool (4 x 12 private > 30): rejected up front, the others complete.
+    impossible = [BeamSearchParams(beam_width=4, max_tokens=46, ignore_eos=True), SamplingParams(n=4, max_tokens=46)]
+    fine = [SamplingParams(max_tokens=5), BeamSearchParams(beam_width=2, max_tokens=5)]
+    prompts = _prompts(4, seed=9, lo=2, hi=4)
+    with pytest.warns(UserWarning) as warned:
+        outs = llm.generate(prompts, [fine[0], impossible[0], impossible[1], fine[1]], use_tqdm=False)
+    messages = [str(w.message) for w in warned]
+    assert len(messages) == 2 and "request 2: n=4" in messages[1]
+    assert re.match(r"request 1: beam_width=4 .* 48 blocks .* pool has 30: it can never fit", messages[0])
+    assert outs[1].sequences == [] and "can never fit" in outs[1].rejected
+    assert [c.finish_reason for c in outs[2].outputs] == ["rejected"] * 4 and outs[2].rejected
+    assert all(c.token_ids == [] for c in outs[2].outputs)
+    alone = _llm(SMALL, max_num_seqs=4).generate([prompts[0], prompts[3]], fine, use_tqdm=False)
+    assert _completions([outs[0], outs[3]]) == _completions(alone) and outs[0].rejected is None
     _drained(llm)

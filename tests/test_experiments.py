@@ -35,3 +35,33 @@ def test_throughput_study_runs_and_writes_its_json(tmp_path, monkeypatch):
         assert sum(engine["timeline"]["generated"]) == engine["generated_tokens"]
         assert engine["saturated_generated_tokens"] + engine["drain_generated_tokens"] == engine["generated_tokens"]
     assert 0 < saved["phases"]["static_drain_share"] < 1
+
+
+def test_beam_and_parallel_studies_run_and_write_their_json(tmp_path, monkeypatch):
+    from experiments import beam, parallel, sharing
+
+    # One tiny model and width 4 only: the studies' engines then share most compiled shapes.
+    monkeypatch.setattr(sharing, "memory_model", lambda max_model_len: _tiny_model(512))
+    monkeypatch.setattr(throughput, "study_model", lambda max_model_len: _tiny_model(512))
+    monkeypatch.setattr(beam, "QUICK_WIDTHS", (4,))
+    monkeypatch.setattr(parallel, "QUICK_NS", (4,))
+    monkeypatch.setattr(sharing, "LENGTH_CONTEXTS", {"alpaca_like": 512, "sharegpt_like": 256})
+    monkeypatch.setattr(beam, "PREFIX_FRACTIONS", (0.1, 0.5))
+    monkeypatch.setattr(sharing, "VOCAB", 128)
+    set_debug_checks(False)
+    result = beam.main(["--quick", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "beam.json").read_text())
+    assert (tmp_path / "beam.png").stat().st_size > 0
+    assert set(saved["headline"]) == {"beam4_memory_saving", "beam_step_overhead", "min_saving_prefix_over_15pct",
+                                      "beam4_throughput_vs_unshared"}
+    assert saved["equal_budget"]["tokens_per_s_unshared"] > 0 and "outputs_identical" in saved["equal_budget"]
+    assert saved["headline"] == result["headline"]
+    for row in saved["memory_by_width"] + saved["prefix_sweep"]:
+        # Beams share their prompt's full blocks at least: physical never above unshared.
+        assert 0 < row["mean_physical_blocks"] <= row["mean_unshared_blocks"] and 0 <= row["saving"] < 1
+    assert saved["step_cost"]["steps_measured"]["beam"] > 0 and saved["headline"]["beam_step_overhead"] > 0
+    result = parallel.main(["--quick", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "parallel.json").read_text())
+    assert (tmp_path / "parallel.png").stat().st_size > 0 and set(saved["headline"]) >= {"n4_memory_saving"}
+    assert {r["n"] for r in saved["rows"]} == {4}
+    assert all(0 <= r["saving"] < 1 and r["throughput_ratio_vs_separate"] > 0 for r in saved["rows"])

@@ -179,6 +179,8 @@ def with_real_ids(view: HostView, ids) -> HostView:
     """``view`` with the stand-in ids of a restore (-2 - i for local id i) replaced by the
     blocks the device chose."""
     tables = view.block_tables
+    if not len(ids):
+        return view
     real = np.where(tables < NO_BLOCK, np.asarray(ids)[np.clip(-2 - tables, 0, None)], tables)
     return dataclasses.replace(view, block_tables=real)
 
@@ -191,7 +193,7 @@ class HostViewMachine(BlockManagerMachine):
     """The block-manager machine (forks, select_parents, copy-on-write, swaps: shared
     blocks), with the host view checked against the device: its answers on every append
     and release and on random questions, and its planned views after every accepted
-    open, fork, release and restore."""
+    open, fork, release, select, restore and unshare."""
 
     def view(self) -> HostView:
         return HostView.from_snapshot(jitted_snapshot()(self.state), self.state.block_size)
@@ -237,6 +239,14 @@ class HostViewMachine(BlockManagerMachine):
         ref_status, ids = super()._apply_restore(targets, lens, tables, num_local)
         if accepted(ref_status):
             assert with_real_ids(planned, ids).same_as(self.view())
+        return ref_status, ids
+
+    def _apply_unshare(self, s):
+        before = self.view()
+        ref_status, ids = super()._apply_unshare(s)
+        if accepted(ref_status):
+            assert with_real_ids(before.unshared(s), ids).same_as(self.view())
+            assert before.blocks_unshared(s) == len(ids)
         return ref_status, ids
 
     @rule(data=st.data())

@@ -154,7 +154,7 @@ def _prompts(rng, lens):
     return [list(rng.integers(0, CFG.vocab_size, n)) for n in lens]
 
 
-@pytest.mark.parametrize("block_size", [1, 4, 16, 64])
+@pytest.mark.parametrize("block_size", [1, 16, 64])  # a token per block, typical, one block past the prompt
 def test_paged_equals_dense_across_block_sizes(block_size):
     """Prompts that fill the last block exactly and ones that do not; shuffled pools."""
     rng = np.random.default_rng(block_size)
@@ -247,7 +247,7 @@ def test_bf16_close_to_fp32():
 
 
 def test_decode_compiles_once_per_bucket():
-    """40 steps, sequences growing and joining/leaving, batch padded to power-of-two buckets."""
+    """24 steps, sequences growing and joining/leaving, batch padded to power-of-two buckets."""
     traces = []
     fns = make_step_fns(CFG, attention_impl="xla", on_trace=lambda name, shape: traces.append((name, shape)))
     _, params = _model()
@@ -256,8 +256,8 @@ def test_decode_compiles_once_per_bucket():
     rng = np.random.default_rng(11)
     live: list[int] = []
     buckets_used = set()
-    for step in range(40):
-        want = [2, 3, 5, 7, 6, 4, 3, 2][step // 5]  # live sequences over time: buckets 2, 4, 8
+    for step in range(24):
+        want = [2, 3, 5, 7, 6, 4, 3, 2][step // 3]  # live sequences over time: buckets 2, 4, 8
         while len(live) < want:  # admit one: open + prefill (chunk padded to T)
             sid = min(set(range(8)) - set(live))
             state, st = open_sequences(state, jnp.array([sid], jnp.int32))

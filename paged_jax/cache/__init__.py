@@ -12,6 +12,7 @@ from paged_jax.cache.invariants import InvariantError, check_invariants
 # Operations: each returns (new state, ...) plus a status array; atomic.
 from paged_jax.cache.ops import (
     AppendResult,
+    UnshareResult,
     append_slots,
     blocks_needed,
     fork,
@@ -21,6 +22,7 @@ from paged_jax.cache.ops import (
     restore_rows,
     select_parents,
     truncate,
+    unshare,
 )
 
 # Allocation policies: (init, allocate, release) pure functions made by factories.
@@ -53,5 +55,5 @@ __all__ = [
     "fifo", "fork", "get_policy", "host_view", "init_state", "lifo",
     "lowest_id_first", "num_free_blocks", "open_sequences", "raise_for_status", "random",
     "release", "restore_rows", "select_parents", "set_debug_checks", "snapshot", "truncate",
-    "with_debug_checks",
+    "unshare", "UnshareResult", "with_debug_checks",
 ]

@@ -263,6 +263,31 @@ class HostView:
         return self._replace(block_tables=tables, entry_counts=counts, seq_lens=lens, active=active,
                              num_free=self.num_free + freed)
 
+    def blocks_unshared(self, seq_ids) -> int:
+        """Fresh blocks ``unshare(state, seq_ids)`` would take (ids as for ``unshared``)."""
+        return self.num_free - self.unshared(seq_ids).num_free
+
+    def unshared(self, seq_ids) -> HostView:
+        """The view after ``unshare(state, seq_ids)``: rows in batch order, each in logical
+        order, replace every block still counted more than once by a fresh one (a
+        stand-in id below every id the view names, as in ``restored``). Padding,
+        out-of-range and dead ids are skipped."""
+        (seq_ids,) = _int32_args("HostView.unshared", ("seq_ids", seq_ids, 1), xp=np)
+        tables, counts = self.block_tables.copy(), self.entry_counts.copy()
+        stand_in = min(int(tables.min(initial=NO_BLOCK)), NO_BLOCK) - 1
+        taken = 0
+        for s in seq_ids[(seq_ids >= 0) & (seq_ids < self.max_seqs)]:
+            if not self.active[s]:
+                continue
+            for j in np.flatnonzero((tables[s] != NO_BLOCK) & (counts[s] > 1)):
+                block = tables[s, j]
+                counts[tables == block] -= 1
+                tables[s, j], counts[s, j] = stand_in - taken, 1
+                taken += 1
+        if not taken:
+            return self
+        return self._replace(block_tables=tables, entry_counts=counts, num_free=self.num_free - taken)
+
     def restored(self, seq_ids, seq_lens, local_tables, num_local) -> HostView:
         """The view after ``restore_rows(state, seq_ids, seq_lens, local_tables, num_local)``:
         ``num_local`` blocks leave the pool and the rows name them as ``local_tables``

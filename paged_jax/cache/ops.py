@@ -524,6 +524,58 @@ def select_parents(
     ), status
 
 
+class UnshareResult(NamedTuple):
+    """The copies an ``unshare`` call asks of the KV store, and its status."""
+
+    copy_src: jax.Array  # int32[B * P]; shared block to copy, NO_BLOCK where none
+    copy_dst: jax.Array  # int32[B * P]; its fresh private copy, NO_BLOCK where none
+    status: jax.Array  # int32[B]; Status per sequence
+
+
+@_checked
+def unshare(state: CacheState, seq_ids: jax.Array) -> tuple[CacheState, UnshareResult]:
+    """Give rows private copies of the blocks they share: sharing undone (the baseline
+    that measures what copy-on-write saves: every fork a full copy).
+
+    As if the rows went one after another in batch order, each in logical order: a block
+    still counted more than once is replaced by a fresh block (its count moves to the
+    copy). So a block that only named rows share keeps one holder, the last. Fresh blocks
+    come from the pool in that order, all or nothing; the KV store must then copy
+    ``copy_src[i] -> copy_dst[i]``.
+
+    seq_ids: int32[B] live, distinct rows (NO_SEQ = padding). Returns (state,
+    ``UnshareResult``); NO_FREE_BLOCKS on the rows that would copy when the pool is short.
+    O(B x P log(B x P)) to rank each block's holders.
+    """
+    (seq_ids,) = _int32_args("unshare", ("seq_ids", seq_ids, 1))
+    status, real, safe = _id_status(state, seq_ids, want_active=True, unique=True)
+    valid = jnp.all(status == Status.OK)
+    n = state.num_blocks
+    rows = state.block_tables[safe]  # [B, P]
+    flat = rows.reshape(-1)
+    held = (real[:, None] & (rows >= 0) & (rows < n)).reshape(-1)
+    # Rank each entry among the batch's entries naming the same block, in batch order.
+    key = jnp.where(held, flat, n)
+    order = jnp.argsort(key, stable=True)
+    k = key[order]
+    idx = jnp.arange(k.shape[0], dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones((1,), bool), k[1:] != k[:-1]])
+    rank = jnp.zeros_like(idx).at[order].set(idx - jax.lax.cummax(jnp.where(starts, idx, 0)))
+    count = state.ref_counts[jnp.clip(flat, 0, n - 1)]
+    want = held & (rank < count - 1) & valid
+    pool, ids, ok = state.policy.allocate(state.pool, want)
+    status = _first(status, Status.NO_FREE_BLOCKS, ~ok & want.reshape(rows.shape).any(axis=1))
+    done = want & ok
+    # One scatter: each copy's count +1, its source's -1 (never to 0: a holder remains).
+    touched = jnp.concatenate([jnp.where(done, ids, n), jnp.where(done, flat, n)])
+    delta = jnp.concatenate([jnp.ones_like(ids), -jnp.ones_like(flat)])
+    ref_counts = state.ref_counts.at[touched].add(delta, mode="drop")
+    dst = _rows_or_drop(state, safe, real & valid & ok)
+    tables = state.block_tables.at[dst].set(jnp.where(done, ids, flat).reshape(rows.shape), mode="drop")
+    result = UnshareResult(jnp.where(done, flat, NO_BLOCK), jnp.where(done, ids, NO_BLOCK), status)
+    return state.replace(block_tables=tables, ref_counts=ref_counts, pool=pool), result
+
+
 @_checked
 def restore_rows(
     state: CacheState,

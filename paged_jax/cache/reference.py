@@ -247,6 +247,38 @@ class ReferenceBlockManager:
                 self.tables[s], self.lens[s] = row, length
         return status
 
+    def unshare(self, ids, device_ids=None):
+        """Private copies of shared blocks, rows in batch order, each in logical order.
+        Returns (status, copies [(src, dst)] in order); ``device_ids`` as for
+        ``append_slots``."""
+        status = self._status(ids, want_active=True, unique=True)
+        if not self._all_ok(status):
+            return status, []
+        counts, need = collections.Counter(), []
+        for s in ids:
+            k = 0
+            for b in self.tables.get(s, []) if s != NO_SEQ else []:
+                if self.counts[b] - counts[b] > 1:
+                    counts[b] += 1
+                    k += 1
+            need.append(k)
+        if sum(need) > len(self.free):
+            return [Status.NO_FREE_BLOCKS if k else Status.OK for k in need], []
+        device_ids = list(device_ids) if device_ids is not None else None
+        copies = []
+        for s in ids:
+            if s == NO_SEQ:
+                continue
+            table = self.tables[s]
+            for j, b in enumerate(table):
+                if self.counts[b] > 1:
+                    dst = self.free.pop(device_ids.pop(0) if device_ids is not None else None)
+                    self.counts[b] -= 1
+                    self.counts[dst] += 1
+                    table[j] = dst
+                    copies.append((b, dst))
+        return status, copies
+
     def restore_rows(self, ids, lens, local_tables, num_local, max_local, device_ids=None):
         """Rebuild rows naming ``num_local`` fresh blocks by local index (see
         ``ops.restore_rows``). Returns (status, physical id of each local id, NO_BLOCK

@@ -116,6 +116,7 @@ class BeamSearchOutput(NamedTuple):
     """The result of one beam search request: ``beam_width`` hypotheses, best first."""
 
     sequences: list[BeamSearchSequence]
+    rejected: str | None = None  # why the request never ran (then ``sequences`` is empty)
 
 
 class Hypothesis(NamedTuple):

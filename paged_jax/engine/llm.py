@@ -23,19 +23,20 @@ import dataclasses
 import json
 import numbers
 import os
+import warnings
 from collections.abc import Sequence as Seq
 
 import jax
 
 from paged_jax.config import blocks_for
+from paged_jax.engine import beam as beam_lib
 from paged_jax.engine.accounting import PagedAccounting, StaticAccounting
+from paged_jax.engine.beam import BeamSearchOutput, BeamSearchParams
 from paged_jax.engine.engine import LLMEngine
 from paged_jax.engine.runner import ModelBackend, ModelRunner, RunnerConfig
-from paged_jax.engine import beam as beam_lib
-from paged_jax.engine.beam import BeamSearchOutput, BeamSearchParams
 from paged_jax.engine.sampling import SamplingParams, completion_seed, seed_for
 from paged_jax.engine.scheduler import Scheduler, SchedulerConfig
-from paged_jax.engine.sequence import Sequence, SequenceGroup
+from paged_jax.engine.sequence import FinishReason, Sequence, SequenceGroup
 from paged_jax.kv.pages import bytes_per_block as kv_bytes_per_block
 
 KV_CACHE_MODES = ("paged", "static")
@@ -57,6 +58,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    rejected: str | None = None  # why the request never ran (its completions are empty)
 
 
 def build_backend(model, *, dtype: str, seed: int, attention_impl: str, block_size: int) -> ModelBackend:
@@ -127,6 +129,9 @@ class LLM:
         new request is not admitted only to be preempted again a few steps later. 0 (the
         default) admits like vLLM: prompt blocks above the watermark.
       victim_policy: name in ``victim.VICTIM_POLICIES`` or a function.
+      share_blocks: True (default): forked completions and beams share blocks, copied on
+        write. False: every fork and beam selection copies all its blocks (``unshare``):
+        the baseline that measures what sharing saves.
       debug_checks: check every invariant after every op and step (slow; for tests).
     """
 
@@ -150,8 +155,11 @@ class LLM:
         watermark: float = 0.01,
         admission_lookahead: int = 0,
         victim_policy="most_recently_admitted",
+        share_blocks: bool = True,
         debug_checks: bool = False,
     ):
+        if not isinstance(share_blocks, bool):
+            raise ValueError(f"share_blocks={share_blocks!r}: must be True or False")
         if kv_cache not in KV_CACHE_MODES:
             raise ValueError(f"kv_cache={kv_cache!r}: unknown; choose one of {list(KV_CACHE_MODES)}")
         if num_gpu_blocks is not None and kv_cache_memory_bytes is not None:
@@ -165,7 +173,7 @@ class LLM:
         SchedulerConfig(
             max_num_seqs=1, max_num_batched_tokens=1, block_size=block_size,
             preemption_mode=preemption_mode, victim_policy=victim_policy,
-            admission_lookahead=admission_lookahead,
+            admission_lookahead=admission_lookahead, share_blocks=share_blocks,
         )
         backend = build_backend(model, dtype=dtype, seed=seed, attention_impl=attention_impl, block_size=block_size)
 
@@ -232,6 +240,7 @@ class LLM:
                 preemption_mode=preemption_mode,
                 victim_policy=victim_policy,
                 admission_lookahead=admission_lookahead,
+                share_blocks=share_blocks,
             ),
             self.runner,
             accounting,
@@ -256,13 +265,15 @@ class LLM:
 
         Raises ValueError, before generating anything, for an empty prompt, a token
         outside the vocabulary, a prompt that cannot fit (``>= max_model_len`` tokens), or
-        a request that can never fit (``n`` or ``beam_width`` above ``max_num_seqs``, or
-        more blocks than the pool holds), naming the request index and the limit.
+        ``n`` or ``beam_width`` above ``max_num_seqs``, naming the request index and the
+        limit. A request whose members need more blocks than the whole pool, even sharing
+        their prompt, can never run: it is rejected with a warning naming the limit, its
+        output has ``rejected`` set (and no tokens), and the other requests complete.
         """
         groups = self.add_requests(prompts, sampling_params)
         bar = _progress(len(groups)) if use_tqdm else None
         while self.engine.has_unfinished():
-            done = self.engine.step()
+            self.engine.step()
             if bar is not None:
                 bar.update(sum(g.finished for g in groups) - bar.n)
         self.engine.flush()
@@ -295,16 +306,22 @@ class LLM:
         for i, p in enumerate(params):
             if not isinstance(p, SamplingParams | BeamSearchParams):
                 raise ValueError(f"sampling_params[{i}]={p!r}: expected SamplingParams or BeamSearchParams")
+        rejected = {}
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             self._validate_prompt(i, prompt)
-            self._validate_fit(i, prompt, p)
+            if (why := self._validate_fit(i, prompt, p)) is not None:
+                rejected[i] = why
 
         groups = []
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             rid = str(self._next_request)
             self._next_request += 1
             groups.append(self._group(rid, i, tuple(prompt), p))
-            self.engine.add(groups[-1])
+            if i in rejected:
+                groups[-1].rejected = rejected[i]
+                warnings.warn(rejected[i] + "; rejected (its output is empty)", stacklevel=3)
+            else:
+                self.engine.add(groups[-1])
         return groups
 
     def _group(self, rid: str, index: int, prompt: tuple[int, ...], p) -> SequenceGroup:
@@ -336,8 +353,10 @@ class LLM:
         out = []
         for g in groups:
             if g.beam is not None:
-                out.append(beam_lib.results(g.beam, g.prompt_token_ids, g.eos))
+                out.append(BeamSearchOutput([], g.rejected) if g.rejected
+                           else beam_lib.results(g.beam, g.prompt_token_ids, g.eos))
                 continue
+            reason = FinishReason.REJECTED.value if g.rejected else None
             out.append(RequestOutput(
                 request_id=g.request_id,
                 prompt_token_ids=list(g.prompt_token_ids),
@@ -346,16 +365,18 @@ class LLM:
                         index=s.completion,
                         token_ids=list(s.output_token_ids),
                         cumulative_logprob=s.cumulative_logprob,
-                        finish_reason=s.finish_reason.value,
+                        finish_reason=reason or s.finish_reason.value,
                     )
                     for s in g.seqs
                 ],
+                rejected=g.rejected,
             ))
         return out
 
-    def _validate_fit(self, i: int, prompt: list[int], p) -> None:
-        """Reject what can never run: more members than table rows, or more blocks than the
-        pool, even with every member's prompt shared (the members' tails are private)."""
+    def _validate_fit(self, i: int, prompt: list[int], p) -> str | None:
+        """Raise for members beyond the table rows or beam candidates beyond the
+        vocabulary; return why the request can never fit the pool (even with every
+        member's prompt shared, the members' tails private), or None if it can."""
         members, field = (p.beam_width, "beam_width") if isinstance(p, BeamSearchParams) else (p.n, "n")
         limit = self.runner.config.max_num_seqs
         if members > limit:
@@ -369,13 +390,13 @@ class LLM:
                 )
         bs = self.block_size
         total = min(len(prompt) + p.max_tokens, self.max_model_len)
-        shared = (len(prompt) - 1) // bs if members > 1 else 0
+        shared = (len(prompt) - 1) // bs if members > 1 and self.engine.scheduler.config.share_blocks else 0
         need = shared + members * (blocks_for(total, bs) - shared)
         if need > self.num_gpu_blocks:
-            raise ValueError(
-                f"request {i}: {members} sequence(s) of up to {total} tokens need up to {need} blocks of {bs} "
-                f"tokens (the prompt's full blocks shared) but the KV pool has {self.num_gpu_blocks}: it can never fit"
-            )
+            return (f"request {i}: {field}={members} sequences of up to {total} tokens need up to {need} blocks "
+                    f"of {bs} tokens (the prompt's full blocks shared) but the KV pool has {self.num_gpu_blocks}: "
+                    "it can never fit")
+        return None
 
     def _validate_prompt(self, i: int, prompt: list[int]) -> None:
         if len(prompt) == 0:

@@ -49,11 +49,14 @@ from paged_jax.cache import (
     restore_rows,
     select_parents,
     snapshot,
+    unshare,
 )
 from paged_jax.config import CacheConfig
 from paged_jax.engine.sampling import sample, top_logprobs
 from paged_jax.engine.swap import HostSwapPool, SwappedBlocks
-from paged_jax.kv.pages import BLOCK_AXIS, bytes_per_block, read_blocks, write_blocks
+from paged_jax.kv.pages import BLOCK_AXIS, bytes_per_block, copy_blocks, read_blocks, write_blocks
+
+MIN_TOP = 16  # narrowest top-K call (see _call)
 
 
 class ModelBackend(NamedTuple):
@@ -120,7 +123,8 @@ class StepPlan:
 
     ``swap_out`` rows are copied to the host and released; ``release`` rows are released;
     ``select`` rebuilds rows from parent rows (``select_parents``: beam search); ``open``
-    rows become live (empty); ``fork`` makes each child a copy of its parent; ``swap_in``
+    rows become live (empty); ``fork`` makes each child a copy of its parent; ``unshare``
+    rows get private copies of the blocks they share (the no-sharing baseline); ``swap_in``
     rebuilds requests from the host pool; ``work`` runs the model.
     """
 
@@ -130,12 +134,13 @@ class StepPlan:
     select: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (row, parent row)
     open: list[int] = dataclasses.field(default_factory=list)
     fork: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (parent, child) rows
+    unshare: list[int] = dataclasses.field(default_factory=list)  # rows, after select and fork
     swap_in: list[SwapIn] = dataclasses.field(default_factory=list)
 
     @property
     def empty(self) -> bool:
         return not (self.work or self.release or self.swap_out or self.select or self.open or self.fork
-                    or self.swap_in)
+                    or self.unshare or self.swap_in)
 
 
 class StepResult(NamedTuple):
@@ -197,6 +202,12 @@ def _housekeeping(state, release_ids, select_ids, select_parents_ids, open_ids, 
     return state, (released, selected, opened, forked)
 
 
+def _unshare(state, pages, seq_ids):
+    """unshare, then the copies in the KV store, in one program."""
+    state, out = unshare(state, seq_ids)
+    return state, copy_blocks(pages, out.copy_src, out.copy_dst), out.status
+
+
 def _swap_in(state, pages, seq_ids, lens, local_tables, num_local, data, *, max_local):
     """restore_rows, then the host data into the fresh blocks, in one program."""
     state, ids, status = restore_rows(state, seq_ids, lens, local_tables, num_local, max_local=max_local)
@@ -205,6 +216,7 @@ def _swap_in(state, pages, seq_ids, lens, local_tables, num_local, data, *, max_
 
 _housekeeping_jit = jax.jit(_housekeeping, donate_argnums=0)
 _swap_in_jit = jax.jit(_swap_in, donate_argnums=(0, 1), static_argnames="max_local")
+_unshare_jit = jax.jit(_unshare, donate_argnums=(0, 1))
 _read_blocks = jax.jit(read_blocks)
 _snapshot = jax.jit(snapshot)
 
@@ -298,7 +310,7 @@ class ModelRunner:
 
     def _run_housekeeping(self, plan: StepPlan, statuses: list) -> None:
         released = plan.release + [r for rows in plan.swap_out for r in rows]
-        if not (released or plan.select or plan.open or plan.fork):
+        if not (released or plan.select or plan.open or plan.fork or plan.unshare):
             return
         size = self.config.max_num_seqs
 
@@ -310,6 +322,10 @@ class ModelRunner:
         self.cache_state, (s_rel, s_sel, s_open, s_fork) = _housekeeping_jit(self.cache_state, *ids)
         statuses += [("release", ids[0], s_rel), ("select_parents", ids[1], s_sel),
                      ("open_sequences", ids[3], s_open), ("fork", ids[5], s_fork)]
+        if plan.unshare:
+            rows = pad(plan.unshare)
+            self.cache_state, self.pages, s_unshare = _unshare_jit(self.cache_state, self.pages, rows)
+            statuses.append(("unshare", rows, s_unshare))
 
     def _run_swap_in(self, swap_ins: list[SwapIn], statuses: list) -> None:
         """Every returning request in one restore: local block ids offset per request."""
@@ -368,7 +384,9 @@ class ModelRunner:
         sampling = (np.asarray(cols[0], np.float32), np.asarray(cols[1], np.int32), np.asarray(cols[2], np.float32),
                     np.asarray(cols[3], np.uint32), np.asarray(cols[4], np.int32), top_temperature)
         top = max(w.top for w in items)
-        num_top = buckets.bucket(top, lo=4, cap=self.backend.vocab_size) if top else 0
+        # One compiled width for every beam up to 8 (2W candidates) and for logprobs<=16:
+        # a top-k of 16 costs no more than one of 4 next to the log-softmax it follows.
+        num_top = buckets.bucket(top, lo=MIN_TOP, cap=self.backend.vocab_size) if top else 0
         before = _TRACES[self._step]
         start = time.perf_counter()
         out, self.cache_state, self.pages = self._step(

@@ -57,6 +57,7 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     victim_policy: VictimPolicy | str = "most_recently_admitted"
     admission_lookahead: int = 0  # steps of running sequences' growth kept free at admission
+    share_blocks: bool = True  # False: forks and beam selections copy every block (a baseline)
 
     def __post_init__(self):
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -98,17 +99,19 @@ class _Prep:
 
     select: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (row, parent row)
     fork: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (parent row, child row)
+    unshare: list[int] = dataclasses.field(default_factory=list)  # rows made private (no sharing)
     computed: dict = dataclasses.field(default_factory=dict)  # id(seq) -> num_computed once made
     groups: list[SequenceGroup] = dataclasses.field(default_factory=list)  # with a pending select made
 
 
-def group_blocks(group: SequenceGroup, block_size: int) -> int:
+def group_blocks(group: SequenceGroup, block_size: int, share_blocks: bool = True) -> int:
     """Blocks a (re)admitted group holds once its members are rebuilt: the leader's full
-    blocks of the shared prefix once, each member's other blocks privately."""
+    blocks of the shared prefix once (unless nothing is shared), each member's other
+    blocks privately."""
     members = group.live
     if len(members) == 1:
         return blocks_for(members[0].num_tokens, block_size)
-    shared = group.shared_prefix // block_size
+    shared = group.shared_prefix // block_size if share_blocks else 0
     return shared + sum(blocks_for(s.num_tokens, block_size) - shared for s in members)
 
 
@@ -190,7 +193,7 @@ class Scheduler:
         if not preempted and not self.swapped:
             while self.waiting and budget >= 1 and self._rows_for(self.waiting[0]):
                 group = self.waiting[0]
-                blocks = group_blocks(group, cfg.block_size)
+                blocks = group_blocks(group, cfg.block_size, cfg.share_blocks)
                 if not self.accounting.can_admit(blocks, free - reserve, bool(self.running), len(group.live)):
                     break
                 self.waiting.popleft()
@@ -247,6 +250,9 @@ class Scheduler:
                 parents = [members[i].slot for i in group.pending_select]
                 view = view.selected(rows, parents)
                 prep.select += list(zip(rows, parents, strict=True))
+                if not self.config.share_blocks:
+                    view = view.unshared(rows)
+                    prep.unshare += rows
                 prep.groups.append(group)
                 for s, i in zip(members, group.pending_select, strict=True):
                     prep.computed[id(s)] = members[i].num_computed
@@ -255,6 +261,9 @@ class Scheduler:
             if unborn and group.forks_members() and leader is not None and leader.num_computed == group.shared_prefix:
                 view = view.forked([leader.slot] * len(unborn), [s.slot for s in unborn])
                 prep.fork += [(leader.slot, s.slot) for s in unborn]
+                if not self.config.share_blocks:
+                    view = view.unshared([s.slot for s in unborn])
+                    prep.unshare += [s.slot for s in unborn]
                 for s in unborn:
                     prep.computed[id(s)] = leader.num_computed
                 unborn = []
@@ -277,7 +286,7 @@ class Scheduler:
 
     def _commit(self, prep: _Prep, plan: StepPlan) -> None:
         """Make the planned row-making ops real: in the plan, and on the members."""
-        plan.select, plan.fork = prep.select, prep.fork
+        plan.select, plan.fork, plan.unshare = prep.select, prep.fork, prep.unshare
         for group in self.running:
             for s in group.live:
                 if id(s) in prep.computed:

@@ -50,6 +50,7 @@ class SeqStatus(enum.Enum):
 class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens reached, or the sequence filled max_model_len
     STOP = "stop"  # a stop token (or EOS) was sampled; it is kept in the output
+    REJECTED = "rejected"  # never ran: the request can never fit the KV pool
 
 
 @dataclasses.dataclass(eq=False)
@@ -137,6 +138,7 @@ class SequenceGroup:
     beam: Any = None
     pending_select: list[int] | None = None
     eos: tuple[int, ...] = ()  # beam search: the ids that end a hypothesis
+    rejected: str | None = None  # why it can never run (it never reaches the scheduler)
 
     def __post_init__(self):
         for seq in self.seqs:
@@ -159,6 +161,8 @@ class SequenceGroup:
 
     @property
     def finished(self) -> bool:
+        if self.rejected:
+            return True
         if self.beam is not None:
             return self.beam.done
         return all(s.finished for s in self.seqs)

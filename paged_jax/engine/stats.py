@@ -41,6 +41,8 @@ class StepRecord(NamedTuple):
     generated: int
     waiting: int  # requests still not running after it (waiting or swapped out)
     compile_seconds: float  # of this step's time
+    unshared_blocks: int = 0  # blocks the live sequences would hold with nothing shared
+    prefilled: int = 0  # prompt (or recomputed) tokens this step fed in chunks
 
 
 @dataclasses.dataclass
@@ -103,7 +105,8 @@ class EngineStats:
         for name, sec in (phases or {}).items():
             self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + sec
         self.timeline.append(
-            StepRecord(self.step_seconds, batch, tokens_held, charged_blocks, generated, waiting, compile_seconds)
+            StepRecord(self.step_seconds, batch, tokens_held, charged_blocks, generated, waiting, compile_seconds,
+                       unshared, prefilled)
         )
         if charged_blocks:
             self.util_sum += tokens_held / (charged_blocks * self.block_size)

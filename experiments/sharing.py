@@ -1,0 +1,97 @@
+"""What the beam and parallel-sampling studies share: the model, the workloads, and how
+memory saved by sharing is measured.
+
+Memory is measured in KV blocks every engine step: *physical* = blocks allocated (a block
+several sequences share counted once) and *unshared* = the blocks the same sequences
+would hold if every block were private (ceil(length / block_size) each). The saving is
+``1 - physical / unshared``, over the time average of both (each step weighs the same)
+and at their peaks. The pool is roomy (nothing is preempted), so memory follows demand.
+"""
+
+from __future__ import annotations
+
+import time
+
+BLOCK_SIZE = 16
+# Each workload's lengths scaled to this context (2048: the vLLM paper's own Alpaca means;
+# ShareGPT at half scale keeps a CPU run short). Engines get just the room the requests need.
+LENGTH_CONTEXTS = {"alpaca_like": 2048, "sharegpt_like": 1024}
+
+
+def memory_model(max_model_len: int):
+    """A small Llama-shaped model with random weights: sharing is structural, so its size
+    does not matter to memory; its logits decide how beams diverge."""
+    from paged_jax.model import ModelConfig
+
+    return ModelConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=32, max_position_embeddings=max_model_len)
+
+
+def workload(name: str, num_requests: int, length_context: int, vocab_size: int, seed: int = 0):
+    """Requests with ``name``'s lengths scaled to ``length_context`` (2048 = the paper's
+    own means; see ``paged_jax.workloads``)."""
+    from paged_jax import workloads
+
+    make = {"alpaca_like": workloads.alpaca_like, "sharegpt_like": workloads.sharegpt_like}[name]
+    return make(num_requests, max_model_len=length_context, vocab_size=vocab_size, seed=seed)
+
+
+def engine_len(*streams) -> int:
+    """The shortest ``max_model_len`` (a whole number of blocks) that holds every request
+    of every stream."""
+    longest = max(len(r.prompt_token_ids) + r.max_tokens for requests in streams for r in requests)
+    return -(-longest // BLOCK_SIZE) * BLOCK_SIZE
+
+
+VOCAB = 2048
+
+
+def roomy_engine(model, max_model_len: int, max_num_seqs: int, **kw):
+    """An engine whose pool holds every sequence at full length (no preemption)."""
+    from paged_jax.engine import LLM
+
+    blocks = max_num_seqs * -(-max_model_len // BLOCK_SIZE)
+    return LLM(model, block_size=BLOCK_SIZE, num_gpu_blocks=blocks, max_num_seqs=max_num_seqs,
+               max_model_len=max_model_len, max_num_batched_tokens=max(512, max_num_seqs), attention_impl="xla",
+               **kw)
+
+
+def engines(max_model_len: int, max_num_seqs: int):
+    """A maker of roomy engines over one model with one set of shapes, so that a study
+    compiles each step shape once however many engines it runs."""
+    model = memory_model(max_model_len)
+    return lambda **kw: roomy_engine(model, max_model_len, max_num_seqs, **kw)
+
+
+def memory_of(llm) -> dict:
+    """Physical vs unshared blocks of the run so far (``LLM.stats``), and the saving."""
+    s = llm.stats()
+    mean_physical, mean_unshared = s["mean_blocks_allocated"], s["mean_blocks_unshared"]
+    return {
+        "mean_physical_blocks": mean_physical,
+        "mean_unshared_blocks": mean_unshared,
+        "peak_physical_blocks": s["peak_blocks_allocated"],
+        "peak_unshared_blocks": s["peak_blocks_unshared"],
+        "saving": 1 - mean_physical / mean_unshared if mean_unshared else 0.0,
+        "peak_saving": 1 - s["peak_blocks_allocated"] / s["peak_blocks_unshared"] if s["peak_blocks_unshared"] else 0.0,
+        "steps": s["steps"],
+        "tokens_per_s": s["tokens_per_s_excl_compile"],
+    }
+
+
+def decode_step_seconds(llm, batch: int) -> list[float]:
+    """Wall times of the engine's decode steps (``batch`` rows, nothing prefilled, nothing
+    compiled), from ``EngineStats.timeline``."""
+    rows = llm.engine.stats.timeline
+    ends = [0.0] + [r.end_seconds for r in rows]
+    return [ends[i + 1] - ends[i] for i, r in enumerate(rows)
+            if r.batch == batch and r.compile_seconds == 0 and r.prefilled == 0]
+
+
+class Timer:
+    def __enter__(self):
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.start

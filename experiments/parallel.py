@@ -66,12 +66,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default="out")
     args = parser.parse_args(argv)
     quick = args.quick
-    num_requests = 4 if quick else 16
-    contexts = dict(sharing.LENGTH_CONTEXTS, sharegpt_like=256) if quick else sharing.LENGTH_CONTEXTS
+    num_requests, contexts, streams = sharing.study_streams(quick)
     ns = QUICK_NS if quick else NS
     print(f"parallel-sampling study, {'quick' if quick else 'FULL'}: {num_requests} requests per workload, "
           f"lengths scaled to {contexts}")
-    streams = {name: sharing.workload(name, num_requests, context, sharing.VOCAB) for name, context in contexts.items()}
     make_engine = sharing.engines(sharing.engine_len(*streams.values()), max_num_seqs=num_requests * max(ns))
     rows = []
     for name, requests in streams.items():

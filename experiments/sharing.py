@@ -36,6 +36,14 @@ def workload(name: str, num_requests: int, length_context: int, vocab_size: int,
     return make(num_requests, max_model_len=length_context, vocab_size=vocab_size, seed=seed)
 
 
+def study_streams(quick: bool) -> tuple[int, dict, dict]:
+    """(requests per workload, each workload's length context, each workload's requests)
+    for the beam and parallel studies: 4 requests and ShareGPT at 256 with ``quick``."""
+    num_requests = 4 if quick else 16
+    contexts = dict(LENGTH_CONTEXTS, sharegpt_like=256) if quick else dict(LENGTH_CONTEXTS)
+    return num_requests, contexts, {name: workload(name, num_requests, c, VOCAB) for name, c in contexts.items()}
+
+
 def engine_len(*streams) -> int:
     """The shortest ``max_model_len`` (a whole number of blocks) that holds every request
     of every stream."""

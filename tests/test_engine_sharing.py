@@ -257,15 +257,20 @@ def test_without_sharing_every_fork_is_a_full_copy_and_outputs_are_unchanged():
     timeline = llm.engine.stats.timeline
     assert all(r.charged_blocks == r.unshared_blocks for r in timeline)
     assert max(r.unshared_blocks for r in timeline) > 0
+    peaks = llm.stats()["request_peak_blocks"]
+    assert len(peaks) == 4 and all(p["physical"] == p["unshared"] for p in peaks.values())
     _drained(llm)
 
 
 def test_beam_search_saves_blocks_by_sharing():
     llm = _llm()
-    llm.beam_search(_prompts(2, seed=4, lo=12, hi=18), BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=True))
+    llm.beam_search(_prompts(1, seed=4, lo=12, hi=18), BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=True))
     s = llm.stats()
     assert s["peak_blocks_unshared"] > s["peak_blocks_used"] > 0
     assert 0 < s["mean_blocks_used"] < s["mean_blocks_unshared"]
+    # The only request: its own peaks are the engine's.
+    (request,) = s["request_peak_blocks"].values()
+    assert request == {"physical": s["peak_blocks_allocated"], "unshared": s["peak_blocks_unshared"]}
     _drained(llm)
 
 

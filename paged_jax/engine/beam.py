@@ -191,16 +191,16 @@ def beam_step(
     cur = state.generated
     # Rule 2: the top K of every (beam, token) continuation; ties to the lower flat index,
     # as a stable top-k over beam-major candidates would.
-    scores, beams, toks, lps = [], [], [], []
-    for b, hyp in enumerate(state.running):
-        if hyp.cum_logprob == _NEG:
-            continue
-        for j in range(logprobs.shape[1]):
-            scores.append(np.float32(hyp.cum_logprob) + np.float32(logprobs[b, j]))
-            beams.append(b)
-            toks.append(int(token_ids[b, j]))
-            lps.append(np.float32(logprobs[b, j]))
-    order = sorted(range(len(scores)), key=lambda i: (-scores[i], beams[i], toks[i]))[:k]
+    cum = np.array([h.cum_logprob for h in state.running], np.float32)
+    live = np.flatnonzero(cum != _NEG)
+    lp_all = np.asarray(logprobs, np.float32)[live]
+    scores = (cum[live, None] + lp_all).reshape(-1)
+    beams = np.repeat(live, lp_all.shape[1])
+    toks = np.asarray(token_ids)[live].reshape(-1).astype(np.int64)
+    lps = lp_all.reshape(-1)
+    order = np.lexsort((toks, beams, -scores))[:k].tolist()  # by score, then beam, then token
+    scores, beams, toks = scores.tolist(), beams.tolist(), toks.tolist()
+    scores = [np.float32(x) for x in scores]
     length = cur + 1
     hits = [toks[i] in eos or length >= max_tokens for i in order]
 

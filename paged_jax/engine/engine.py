@@ -140,13 +140,19 @@ class LLMEngine:
         bs = self.runner.config.block_size
         lens = view.seq_lens[view.active]
         unshared = int(((lens + bs - 1) // bs).sum())
-        per_request = {}
-        for g in self.scheduler.running:
-            rows = [s.slot for s in g.seqs if s.row_live]
-            if len(rows) > 1:
-                private = int(sum(-(-int(view.seq_lens[r]) // bs) for r in rows))
-                per_request[g.request_id] = (view.blocks_held(rows), private)
-        return unshared, per_request
+        groups = [(g.request_id, [s.slot for s in g.seqs if s.row_live]) for g in self.scheduler.running]
+        groups = [(rid, rows) for rid, rows in groups if len(rows) > 1]
+        if not groups:
+            return unshared, {}
+        # Every multi-member request at once: its distinct (request, block) pairs.
+        rows = np.concatenate([rows for _, rows in groups])
+        owner = np.repeat(np.arange(len(groups)), [len(r) for _, r in groups])
+        tables = view.block_tables[rows]
+        named = tables >= 0
+        pairs = np.unique(np.stack([np.broadcast_to(owner[:, None], tables.shape)[named], tables[named]]), axis=1)
+        physical = np.bincount(pairs[0], minlength=len(groups))
+        private = np.bincount(owner, weights=(view.seq_lens[rows] + bs - 1) // bs, minlength=len(groups))
+        return unshared, {rid: (int(physical[i]), int(private[i])) for i, (rid, _) in enumerate(groups)}
 
     def flush(self) -> None:
         """Release the rows of the last step's finished sequences now (one device call and

@@ -246,24 +246,14 @@ class Scheduler:
         for group in self.running:
             members = group.live
             if group.pending_select is not None:
-                rows = [s.slot for s in members]
-                parents = [members[i].slot for i in group.pending_select]
-                view = view.selected(rows, parents)
-                prep.select += list(zip(rows, parents, strict=True))
-                if not self.config.share_blocks:
-                    view = view.unshared(rows)
-                    prep.unshare += rows
+                prep.select += [(s.slot, members[i].slot) for s, i in zip(members, group.pending_select, strict=True)]
                 prep.groups.append(group)
                 for s, i in zip(members, group.pending_select, strict=True):
                     prep.computed[id(s)] = members[i].num_computed
             unborn = [s for s in members if not s.row_live and group.pending_select is None]
             leader = next((s for s in members if s.row_live), None)
             if unborn and group.forks_members() and leader is not None and leader.num_computed == group.shared_prefix:
-                view = view.forked([leader.slot] * len(unborn), [s.slot for s in unborn])
                 prep.fork += [(leader.slot, s.slot) for s in unborn]
-                if not self.config.share_blocks:
-                    view = view.unshared([s.slot for s in unborn])
-                    prep.unshare += [s.slot for s in unborn]
                 for s in unborn:
                     prep.computed[id(s)] = leader.num_computed
                 unborn = []
@@ -275,6 +265,17 @@ class Scheduler:
                     todo = min(todo, group.shared_prefix - s.num_computed)  # stop at the fork point
                 if todo > 0:
                     pending.append((s, todo))
+        # Groups touch disjoint rows: one transition each for all selects and all forks,
+        # in the runner's order (select, then fork, then unshare).
+        if prep.select:
+            view = view.selected(*zip(*prep.select, strict=True))
+        if prep.fork:
+            parents, children = zip(*prep.fork, strict=True)
+            view = view.forked(parents, children)
+        if not self.config.share_blocks:
+            prep.unshare = [r for r, _ in prep.select] + [c for _, c in prep.fork]
+            if prep.unshare:
+                view = view.unshared(prep.unshare)
         work = [(s, 1) for s, todo in pending if todo == 1]
         budget -= len(work)
         for s, todo in pending:

@@ -5,6 +5,9 @@ forked sequences share blocks (copy-on-write on append); an allocation policy ow
 free pool. Every op is a pure function returning a new state and a status array.
 """
 
+# Prefix caching (host side): eviction policies and the index of cached blocks.
+from paged_jax.cache.eviction import EVICTION_POLICIES, EvictionPolicy, EvictionState, get_eviction_policy
+
 # The host-side view for scheduling decisions, and the invariant checks.
 from paged_jax.cache.host_view import HostView, Snapshot, host_view, snapshot
 from paged_jax.cache.invariants import InvariantError, check_invariants
@@ -36,6 +39,9 @@ from paged_jax.cache.policies import (
     random,
 )
 
+# The prefix index: chained block keys, salts, collision checks.
+from paged_jax.cache.prefix import HASH_FUNCTIONS, HashFunction, PrefixIndex, block_keys, get_hash
+
 # Sentinels, state, status codes and the debug switch.
 from paged_jax.cache.sentinels import NO_BLOCK, NO_SEQ, NO_SLOT
 from paged_jax.cache.state import (
@@ -49,6 +55,8 @@ from paged_jax.cache.state import (
 )
 
 __all__ = [
+    "EVICTION_POLICIES", "EvictionPolicy", "EvictionState", "HASH_FUNCTIONS", "HashFunction", "PrefixIndex",
+    "block_keys", "get_eviction_policy", "get_hash",
     "NO_BLOCK", "NO_SEQ", "NO_SLOT",
     "AllocationPolicy", "AppendResult", "CacheOpError", "CacheState", "HostView", "InvariantError",
     "POLICIES", "Snapshot", "Status", "append_slots", "blocks_needed", "check_invariants",

@@ -227,8 +227,9 @@ def _mixed_roomy():
     return _completions(roomy)
 
 
-@pytest.mark.parametrize("victim", ["most_recently_admitted", _widest_group], ids=["latest", "widest"])
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode,victim", [
+    ("recompute", "most_recently_admitted"), ("swap", "most_recently_admitted"), ("recompute", _widest_group),
+], ids=["recompute-latest", "swap-latest", "recompute-widest"])
 def test_beams_parallel_and_plain_requests_mixed_under_pressure(mode, victim):
     victims = []
 

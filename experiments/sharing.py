@@ -10,8 +10,6 @@ and at their peaks. The pool is roomy (nothing is preempted), so memory follows 
 
 from __future__ import annotations
 
-import time
-
 BLOCK_SIZE = 16
 # Each workload's lengths scaled to this context (2048: the vLLM paper's own Alpaca means;
 # ShareGPT at half scale keeps a CPU run short). Engines get just the room the requests need.
@@ -94,12 +92,3 @@ def decode_step_seconds(llm, batch: int) -> list[float]:
     ends = [0.0] + [r.end_seconds for r in rows]
     return [ends[i + 1] - ends[i] for i, r in enumerate(rows)
             if r.batch == batch and r.compile_seconds == 0 and r.prefilled == 0]
-
-
-class Timer:
-    def __enter__(self):
-        self.start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self.seconds = time.perf_counter() - self.start

@@ -14,9 +14,10 @@ from __future__ import annotations
 import functools
 
 import jax.numpy as jnp
+import numpy as np
 
 from paged_jax import kv
-from paged_jax.cache import append_slots
+from paged_jax.cache import append_slots, check_invariants
 from paged_jax.engine import ModelBackend
 
 VOCAB = 48
@@ -66,3 +67,16 @@ def fake_backend(block_size: int = 4, eos_token_id: int | None = None, max_posit
         max_position=max_position,
         name="fake",
     )
+
+
+def assert_drained(llm) -> None:
+    """After a generate: no block leaked, no row left live, no request queued, the host
+    swap pool empty."""
+    state = llm.runner.cache_state
+    check_invariants(state)
+    assert llm.runner.num_free_blocks() == llm.num_gpu_blocks
+    assert int(np.asarray(state.ref_counts).sum()) == 0 and not np.asarray(state.active).any()
+    sched = llm.engine.scheduler
+    assert not (sched.waiting or sched.running or sched.swapped)
+    pool = llm.runner.swap_pool
+    assert pool.num_free == pool.capacity

@@ -10,9 +10,8 @@ swap pool's accounting is exact (conftest also checks after every cache op).
 
 import numpy as np
 import pytest
-from engine_fakes import VOCAB, fake_backend
+from engine_fakes import VOCAB, assert_drained, fake_backend
 
-from paged_jax.cache import check_invariants
 from paged_jax.engine import LLM, SamplingParams
 
 BS = 4
@@ -39,18 +38,6 @@ def _tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _assert_drained(llm):
-    """No block leaked, no row left live, host pool empty."""
-    state = llm.runner.cache_state
-    check_invariants(state)
-    assert llm.runner.num_free_blocks() == llm.num_gpu_blocks
-    assert int(np.asarray(state.ref_counts).sum()) == 0 and not np.asarray(state.active).any()
-    sched = llm.engine.scheduler
-    assert not (sched.waiting or sched.running or sched.swapped)
-    pool = llm.runner.swap_pool
-    assert pool.num_free == pool.capacity
-
-
 @pytest.fixture(scope="module")
 def reference():
     """Unconstrained: room for every sequence at max_model_len, big prefill chunks."""
@@ -71,7 +58,7 @@ def test_preemption_gives_identical_outputs(reference, mode):
     if mode == "swap":
         assert stats["swap_outs"] == stats["swap_ins"] > 0 and stats["swap_fallbacks"] == 0
         assert stats["blocks_swapped_out"] == stats["blocks_swapped_in"] > 0
-    _assert_drained(llm)
+    assert_drained(llm)
 
 
 def test_swap_falls_back_to_recompute_when_the_host_pool_is_full(reference):
@@ -80,7 +67,7 @@ def test_swap_falls_back_to_recompute_when_the_host_pool_is_full(reference):
     stats = llm.stats()
     assert stats["swap_fallbacks"] > 0 and stats["preemptions"]["recompute"] == stats["swap_fallbacks"]
     assert stats["preemptions"]["swap"] == stats["swap_outs"]
-    _assert_drained(llm)
+    assert_drained(llm)
 
 
 def test_static_baseline_matches_and_is_limited_by_reservations(reference):
@@ -100,14 +87,14 @@ def test_static_baseline_matches_and_is_limited_by_reservations(reference):
     assert stats["mean_running_batch"] < stats["saturated_mean_running_batch"] <= 2
     assert stats["saturated_steps"] + stats["drain_steps"] == stats["steps"]
     assert stats["saturated_generated_tokens"] + stats["drain_generated_tokens"] == stats["generated_tokens"]
-    _assert_drained(llm)
+    assert_drained(llm)
 
 
 def test_swap_with_another_victim_policy(reference):
     llm = _llm(num_blocks=SMALL, preemption_mode="swap", victim_policy="fewest_blocks")
     assert _tokens(llm.generate(_prompts(), GREEDY, use_tqdm=False)) == reference
     assert llm.stats()["preemptions"]["swap"] > 0
-    _assert_drained(llm)
+    assert_drained(llm)
 
 
 def test_custom_victim_function_sees_seq_infos(reference):
@@ -120,7 +107,7 @@ def test_custom_victim_function_sees_seq_infos(reference):
     llm = _llm(num_blocks=SMALL, victim_policy=oldest)
     assert _tokens(llm.generate(_prompts(), GREEDY, use_tqdm=False)) == reference
     assert seen and all(info.num_blocks >= 1 and info.num_tokens >= info.num_computed for r in seen for info in r)
-    _assert_drained(llm)
+    assert_drained(llm)
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch():
@@ -196,7 +183,7 @@ def test_bad_requests_are_rejected_before_anything_runs(reference):
     with pytest.raises(ValueError, match="2 sampling_params for 1 prompts"):
         llm.generate([[1]], [GREEDY, GREEDY], use_tqdm=False)
     assert llm.stats()["steps"] == 0
-    _assert_drained(llm)
+    assert_drained(llm)
     # The engine is intact: the rest complete.
     assert _tokens(llm.generate(good, GREEDY, use_tqdm=False)) == reference
 

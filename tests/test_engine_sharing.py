@@ -16,9 +16,8 @@ import re
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from engine_fakes import VOCAB, fake_backend
+from engine_fakes import VOCAB, assert_drained, fake_backend
 
-from paged_jax.cache import check_invariants
 from paged_jax.engine import LLM, VICTIM_POLICIES, BeamSearchOutput, BeamSearchParams, SamplingParams
 
 BS = 4
@@ -36,15 +35,6 @@ def _llm(num_blocks=None, **kw):
 def _prompts(n, seed=0, lo=2, hi=20):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, VOCAB, rng.integers(lo, hi)).tolist() for _ in range(n)]
-
-
-def _drained(llm):
-    state = llm.runner.cache_state
-    check_invariants(state)
-    assert llm.runner.num_free_blocks() == llm.num_gpu_blocks
-    assert int(np.asarray(state.ref_counts).sum()) == 0 and not np.asarray(state.active).any()
-    pool = llm.runner.swap_pool
-    assert pool.num_free == pool.capacity
 
 
 def _completions(outs):
@@ -70,7 +60,7 @@ def test_parallel_sampling_forks_the_prompt_and_each_completion_has_its_own_stre
     assert _completions(_llm().generate(prompts, params, use_tqdm=False)) == streams
     stats = llm.stats()
     assert stats["peak_blocks_unshared"] > stats["peak_blocks_used"]
-    _drained(llm)
+    assert_drained(llm)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -81,7 +71,7 @@ def test_parallel_sampling_is_unchanged_by_memory_pressure(mode):
     llm = _llm(SMALL, preemption_mode=mode)
     assert _completions(llm.generate(prompts, params, use_tqdm=False)) == roomy
     assert llm.stats()["preemptions"][mode] > 0
-    _drained(llm)
+    assert_drained(llm)
 
 
 def test_a_one_token_prompt_opens_every_completion_at_once():
@@ -120,7 +110,7 @@ def test_copy_on_write_never_lets_a_sibling_read_the_other_block(poison):
     got = _completions(llm.outputs([group]))[0]
     assert got[1 - owner] == reference[1 - owner]  # the sibling never read the poisoned block
     assert got[owner] != reference[owner]  # the poison was where the owner reads
-    _drained(llm)
+    assert_drained(llm)
 
 
 # ----------------------------------------------------------------------------- beam search
@@ -245,7 +235,7 @@ def test_beams_parallel_and_plain_requests_mixed_under_pressure(mode, victim):
     assert llm.stats()["preemptions"][mode] > 0
     if callable(victim):
         assert 4 in victims  # a beam search of width 4 was preempted (and resumed) whole
-    _drained(llm)
+    assert_drained(llm)
 
 
 def test_without_sharing_every_fork_is_a_full_copy_and_outputs_are_unchanged():
@@ -260,7 +250,7 @@ def test_without_sharing_every_fork_is_a_full_copy_and_outputs_are_unchanged():
     assert max(r.unshared_blocks for r in timeline) > 0
     peaks = llm.stats()["request_peak_blocks"]
     assert len(peaks) == 4 and all(p["physical"] == p["unshared"] for p in peaks.values())
-    _drained(llm)
+    assert_drained(llm)
 
 
 def test_beam_search_saves_blocks_by_sharing():
@@ -272,7 +262,7 @@ def test_beam_search_saves_blocks_by_sharing():
     # The only request: its own peaks are the engine's.
     (request,) = s["request_peak_blocks"].values()
     assert request == {"physical": s["peak_blocks_allocated"], "unshared": s["peak_blocks_unshared"]}
-    _drained(llm)
+    assert_drained(llm)
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -311,4 +301,4 @@ def test_requests_that_can_never_fit_are_refused_up_front():
     assert all(c.token_ids == [] for c in outs[2].outputs)
     alone = _llm(SMALL, max_num_seqs=4).generate([prompts[0], prompts[3]], fine, use_tqdm=False)
     assert _completions([outs[0], outs[3]]) == _completions(alone) and outs[0].rejected is None
-    _drained(llm)
+    assert_drained(llm)

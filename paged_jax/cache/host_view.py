@@ -263,10 +263,6 @@ class HostView:
         return self._replace(block_tables=tables, entry_counts=counts, seq_lens=lens, active=active,
                              num_free=self.num_free + freed)
 
-    def blocks_unshared(self, seq_ids) -> int:
-        """Fresh blocks ``unshare(state, seq_ids)`` would take (ids as for ``unshared``)."""
-        return self.num_free - self.unshared(seq_ids).num_free
-
     def unshared(self, seq_ids) -> HostView:
         """The view after ``unshare(state, seq_ids)``: rows in batch order, each in logical
         order, replace every block still counted more than once by a fresh one (a

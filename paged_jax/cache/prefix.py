@@ -119,27 +119,27 @@ class PrefixIndex:
         mask[list(self.entries)] = True
         return mask
 
-    def _walk(self, tokens: Sequence[int], salt: str | None, limit: int):
-        """Yield (i, key, block tokens, cached block or None) along the chain, stopping at
-        the first miss (the miss itself is yielded)."""
-        key, prev = None, NO_BLOCK
+    def _hits(self, tokens: Sequence[int], salt: str | None, limit: int) -> list[int]:
+        """Cached blocks along the chain of ``tokens``' first ``limit`` blocks, up to the
+        first miss."""
+        key, prev, hits = None, NO_BLOCK, []
         bs = self.block_size
         for i in range(limit):
             block_tokens = tuple(int(t) for t in tokens[i * bs: (i + 1) * bs])
             parent_key, key = key, self.hash.fn(key, salt, block_tokens)
             block = self.by_key.get(key)
             if block is None or not self._same(self.entries[block], block_tokens, salt, parent_key, prev):
-                yield i, key, block_tokens, None
-                return
-            yield i, key, block_tokens, block
+                break
+            hits.append(block)
             prev = block
+        return hits
 
     def match(self, tokens: Sequence[int], salt: str | None = None, *, touch: bool = True) -> list[int]:
         """Cached blocks holding the longest cached prefix of ``tokens``, at most
         ``(len(tokens) - 1) // block_size`` of them (the last token is always computed).
         ``touch`` records the hit with the eviction policy."""
         limit = max(len(tokens) - 1, 0) // self.block_size
-        hit = [block for _, _, _, block in self._walk(tokens, salt, limit) if block is not None]
+        hit = self._hits(tokens, salt, limit)
         if touch and hit:
             self.clock += 1
             self.meta = self.policy.touch(self.meta, np.asarray(hit), self.clock)

@@ -199,8 +199,7 @@ def beam_step(
     toks = np.asarray(token_ids)[live].reshape(-1).astype(np.int64)
     lps = lp_all.reshape(-1)
     order = np.lexsort((toks, beams, -scores))[:k].tolist()  # by score, then beam, then token
-    scores, beams, toks = scores.tolist(), beams.tolist(), toks.tolist()
-    scores = [np.float32(x) for x in scores]
+    scores, beams, toks = list(scores), beams.tolist(), toks.tolist()  # scores stay float32
     length = cur + 1
     hits = [toks[i] in eos or length >= max_tokens for i in order]
 

@@ -7,6 +7,9 @@ Studies (each a module with main(argv) that prints a table and writes DIR/<study
   compile_time  first-call time vs model depth (layers under one scan)
   beam          beam search: KV memory saved by sharing (claim C6), prefix sweep, step cost
   parallel      parallel sampling (n > 1): KV memory saved by sharing the prompt, throughput
+  prefix        prefix caching behind a shared system prompt: prefill saved, TTFT, tokens/s
+  multiturn     5-turn conversations keeping their history (claim C5): blocks stored, prefill
+  eviction      eviction policies on one trace: prefix-cache hit rate vs pool size
   kernel_bench  Pallas paged attention on a GPU (interpret-mode smoke with --quick on CPU)
   demo          the headline study in quick mode (what `make demo` runs)
   all           every CPU study
@@ -17,9 +20,11 @@ from __future__ import annotations
 import importlib
 import sys
 
-STUDIES = ["allocator", "decode_step", "throughput", "compile_time", "beam", "parallel", "kernel_bench"]
+STUDIES = ["allocator", "decode_step", "throughput", "compile_time", "beam", "parallel", "prefix", "multiturn",
+           "eviction", "kernel_bench"]
 DEMO = "throughput"  # the headline study
-CPU_STUDIES = ["allocator", "decode_step", "throughput", "compile_time", "beam", "parallel"]
+CPU_STUDIES = ["allocator", "decode_step", "throughput", "compile_time", "beam", "parallel", "prefix", "multiturn",
+               "eviction"]
 
 
 def _run(name: str, argv: list[str]):

@@ -70,12 +70,17 @@ def fake_backend(block_size: int = 4, eos_token_id: int | None = None, max_posit
 
 
 def assert_drained(llm) -> None:
-    """After a generate: no block leaked, no row left live, no request queued, the host
-    swap pool empty."""
+    """After a generate: no block leaked (every block free or cached-free: the prefix
+    cache's blocks are accounted, each holding only the cache's reference), no row left
+    live, no request queued, the host swap pool empty."""
     state = llm.runner.cache_state
     check_invariants(state)
-    assert llm.runner.num_free_blocks() == llm.num_gpu_blocks
-    assert int(np.asarray(state.ref_counts).sum()) == 0 and not np.asarray(state.active).any()
+    cached = np.asarray(state.cached)
+    cache = llm.engine.scheduler.prefix_cache
+    assert int(cached.sum()) == (0 if cache is None else cache.num_cached)
+    assert llm.runner.num_free_blocks() + int(cached.sum()) == llm.num_gpu_blocks
+    assert np.array_equal(np.asarray(state.ref_counts), cached.astype(np.int32))
+    assert not np.asarray(state.active).any()
     sched = llm.engine.scheduler
     assert not (sched.waiting or sched.running or sched.swapped)
     pool = llm.runner.swap_pool

@@ -17,9 +17,11 @@ from paged_jax.cache import (
     Status,
     append_slots,
     check_invariants,
+    evict_cached,
     fork,
     get_policy,
     init_state,
+    mark_cached,
     open_sequences,
     release,
     restore_rows,
@@ -49,6 +51,8 @@ def jitted():
         blocks_needed=jax.jit(cache_ops.blocks_needed),
         restore=jax.jit(functools.partial(restore_rows, max_local=MAX_LOCAL)),
         unshare=jax.jit(unshare),
+        mark=jax.jit(mark_cached),
+        evict=jax.jit(evict_cached),
     )
 
 
@@ -128,11 +132,97 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def open(self, data):
         self._apply_open(self._ids(data, live=False))
 
-    def _apply_open(self, s):
-        new, status = self.ops["open"](self.state, pad(s))
-        ref_status = self.ref.open_sequences(s)
+    def _apply_open(self, s, prefix=None):
+        """open_sequences, on chains of cached blocks when ``prefix`` (one row per id) is given."""
+        if prefix is None:
+            new, status = self.ops["open"](self.state, pad(s))
+        else:
+            width = self.shape[2]
+            rows = list(prefix) + [[-1] * width] * (BATCH - len(prefix))
+            new, status = self.ops["open"](self.state, pad(s), jnp.asarray(rows, jnp.int32))
+        ref_status = self.ref.open_sequences(s, prefix)
         self._step(self.state, new, status, ref_status)
         return ref_status
+
+    def _apply_mark(self, b):
+        new, status = self.ops["mark"](self.state, pad(b))
+        ref_status = self.ref.mark_cached(b)
+        self._step(self.state, new, status, ref_status)
+        return ref_status
+
+    def _apply_evict(self, b):
+        new, status = self.ops["evict"](self.state, pad(b))
+        ref_status = self.ref.evict_cached(b)
+        self._step(self.state, new, status, ref_status)
+        return ref_status
+
+    # Prefix caching: mark referenced blocks cached, open rows on chains of cached
+    # blocks, evict cached blocks no row names. Mostly sensible, sometimes not.
+    def _block_ids(self, data, candidates):
+        if data.draw(st.integers(0, 7)) == 0 or not candidates:
+            return data.draw(st.lists(st.integers(-2, self.shape[0]), min_size=1, max_size=BATCH))
+        picked = data.draw(st.permutations(sorted(candidates)))[: data.draw(st.integers(1, BATCH))]
+        return data.draw(st.permutations(list(picked) + [-1] * data.draw(st.integers(0, BATCH - len(picked)))))
+
+    @rule(data=st.data())
+    def mark(self, data):
+        referenced = {b for b in range(self.shape[0]) if self.ref.counts[b] >= 1} - self.ref.cached
+        self._apply_mark(self._block_ids(data, referenced))
+
+    @rule(data=st.data())
+    def evict(self, data):
+        if self.ref.cached and data.draw(st.booleans()):  # a cached block's rows end: it becomes cached-free
+            block = data.draw(st.sampled_from(sorted(self.ref.cached)))
+            holders = [r for r in sorted(self.ref.tables) if block in self.ref.tables[r]][:BATCH]
+            if holders:
+                self._apply_release(holders)
+        idle = {b for b in self.ref.cached if self.ref.counts[b] == 1}
+        self._apply_evict(self._block_ids(data, idle if data.draw(st.integers(0, 3)) else self.ref.cached))
+
+    @rule(data=st.data())
+    def cache_lifecycle(self, data):
+        """A prefix-cache life: a live row's blocks are marked cached, the row ends, some
+        of its blocks are evicted, and a new row opens on the rest (a hit)."""
+        if not self.ref.tables:
+            return
+        row = data.draw(st.sampled_from(sorted(self.ref.tables)))
+        blocks = [b for b in self.ref.tables[row] if b not in self.ref.cached][:BATCH]
+        if blocks:
+            self._apply_mark(blocks)
+        chain = list(self.ref.tables[row])
+        self._apply_release([row])
+        idle = [b for b in chain if b in self.ref.cached and self.ref.counts[b] == 1]
+        gone = data.draw(st.permutations(idle))[: data.draw(st.integers(0, min(len(idle), BATCH)))]
+        if gone:
+            self._apply_evict(gone)
+        kept = []
+        for b in chain:  # the hit: the chain up to its first evicted block
+            if b not in self.ref.cached:
+                break
+            kept.append(b)
+        assert self._apply_open([row], [kept + [-1] * (self.shape[2] - len(kept))]) == [Status.OK]
+
+    @rule(data=st.data())
+    def open_on_cached_blocks(self, data):
+        """Open free rows on chains of cached blocks (a prefix-cache hit), then grow them
+        a little: appending right after the hit copies nothing (the blocks are full),
+        but a cached block is never written in place."""
+        s = self._ids(data, live=False)
+        width = self.shape[2]
+        cached = sorted(self.ref.cached)
+        rows = []
+        for _ in s:
+            if data.draw(st.integers(0, 7)) == 0:  # arbitrary entries: BAD_TABLE paths
+                row = data.draw(st.lists(st.integers(-1, self.shape[0]), min_size=width, max_size=width))
+            else:
+                k = data.draw(st.integers(0, min(len(cached), width)))
+                chain = data.draw(st.permutations(cached))[:k] if cached else []
+                row = list(chain) + [-1] * (width - len(chain))
+            rows.append(row)
+        self._apply_open(s, rows)
+        live = [x for x in s if x in self.ref.tables]
+        if live and data.draw(st.booleans()):
+            self._apply_append(live, data.draw(st.lists(st.integers(0, 3), min_size=len(live), max_size=len(live))))
 
     @rule(data=st.data())
     def append(self, data):
@@ -313,6 +403,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         np.testing.assert_array_equal(self.state.seq_lens, lens)
         np.testing.assert_array_equal(self.state.active, [s in self.ref.tables for s in range(MAX_SEQS)])
         np.testing.assert_array_equal(self.state.ref_counts, counts)
+        np.testing.assert_array_equal(self.state.cached, [b in self.ref.cached for b in range(self.shape[0])])
         np.testing.assert_array_equal(self.policy.free_blocks(self.state.pool), free)
 
 

@@ -65,3 +65,23 @@ def test_outputs_do_not_depend_on_memory_pressure(prompts, alone, mode):
     state = llm.runner.cache_state
     check_invariants(state)
     assert llm.runner.num_free_blocks() == SMALL and not np.asarray(state.active).any()
+
+
+def test_prefix_cache_hits_reproduce_cold_runs_and_transformers(prompts, alone):
+    """With the cache on, a second pass over the same prompts starts on cached blocks
+    (where eviction under this small pool left them): the same tokens as each prompt run
+    alone, log-probabilities equal to the cold pass's (fp32), and HF's greedy output."""
+    llm = LLM(FIXTURE, num_gpu_blocks=SMALL, enable_prefix_caching=True, **CONFIG)
+    first = llm.generate(prompts, GREEDY, use_tqdm=False)
+    hits = llm.stats()["prefix_cache_hit_tokens"]
+    second = llm.generate(prompts, GREEDY, use_tqdm=False)
+    stats = llm.stats()
+    assert _tokens(first) == alone == _tokens(second)
+    assert stats["prefix_cache_hit_tokens"] > hits and stats["prefix_cache_evictions"] > 0
+    np.testing.assert_allclose([o.outputs[0].cumulative_logprob for o in second],
+                               [o.outputs[0].cumulative_logprob for o in first], rtol=1e-5, atol=1e-5)
+    expected = np.load(os.path.join(FIXTURE, "expected.npz"))
+    hf = [expected[f"prompt_{i}"].tolist() for i in range(2)]
+    for _ in range(2):  # cold, then on the cached blocks
+        outs = llm.generate(hf, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [expected[f"greedy_{i}"].tolist() for i in range(2)]

@@ -3,6 +3,9 @@ runs; see the README): a tiny model through ``experiments.throughput.main``."""
 
 import json
 
+from engine_fakes import VOCAB as FAKE_VOCAB
+from engine_fakes import fake_backend
+
 from experiments import throughput
 from paged_jax.cache import set_debug_checks
 from paged_jax.model import ModelConfig
@@ -13,6 +16,12 @@ def _tiny_model(max_model_len: int) -> ModelConfig:
         vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
         head_dim=8, max_position_embeddings=max_model_len,
     )
+
+
+def _fake(block_size: int):
+    """The engine tests' fake model (tests/engine_fakes.py): real block manager and KV
+    pages, a trivial step, so a study's wiring runs without compiling a transformer."""
+    return fake_backend(block_size, max_position=None)
 
 
 def test_throughput_study_runs_and_writes_its_json(tmp_path, monkeypatch):
@@ -40,14 +49,14 @@ def test_throughput_study_runs_and_writes_its_json(tmp_path, monkeypatch):
 def test_beam_and_parallel_studies_run_and_write_their_json(tmp_path, monkeypatch):
     from experiments import beam, parallel, sharing
 
-    # One tiny model and width 4 only: the studies' engines then share most compiled shapes.
-    monkeypatch.setattr(sharing, "memory_model", lambda max_model_len: _tiny_model(512))
-    monkeypatch.setattr(throughput, "study_model", lambda max_model_len: _tiny_model(512))
+    # The fake model (cheap to compile) and width 4 only: this is the studies' wiring.
+    monkeypatch.setattr(sharing, "memory_model", lambda max_model_len: _fake(sharing.BLOCK_SIZE))
+    monkeypatch.setattr(throughput, "study_model", lambda max_model_len: _fake(sharing.BLOCK_SIZE))
     monkeypatch.setattr(beam, "QUICK_WIDTHS", (4,))
     monkeypatch.setattr(parallel, "QUICK_NS", (4,))
     monkeypatch.setattr(sharing, "LENGTH_CONTEXTS", {"alpaca_like": 512, "sharegpt_like": 256})
     monkeypatch.setattr(beam, "PREFIX_FRACTIONS", (0.1, 0.5))
-    monkeypatch.setattr(sharing, "VOCAB", 128)
+    monkeypatch.setattr(sharing, "VOCAB", FAKE_VOCAB)
     set_debug_checks(False)
     result = beam.main(["--quick", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "beam.json").read_text())
@@ -65,3 +74,27 @@ def test_beam_and_parallel_studies_run_and_write_their_json(tmp_path, monkeypatc
     assert (tmp_path / "parallel.png").stat().st_size > 0 and set(saved["headline"]) >= {"n4_memory_saving"}
     assert {r["n"] for r in saved["rows"]} == {4}
     assert all(0 <= r["saving"] < 1 and r["throughput_ratio_vs_separate"] > 0 for r in saved["rows"])
+
+
+def test_prefix_caching_studies_run_and_write_their_json(tmp_path, monkeypatch):
+    """prefix, multiturn and eviction in quick mode on the fake model."""
+    from experiments import eviction, multiturn, prefix, sharing
+
+    monkeypatch.setattr(sharing, "memory_model", lambda max_model_len: _fake(sharing.BLOCK_SIZE))
+    monkeypatch.setattr(sharing, "VOCAB", FAKE_VOCAB)
+    monkeypatch.setattr(prefix, "QUICK", dict(num_requests=8, system_lens=(64,), repeats=1))
+    monkeypatch.setattr(multiturn, "QUICK", (2, 3))
+    monkeypatch.setattr(eviction, "QUICK_TRACE", dict(num_waves=3, per_wave=8, num_prefixes=4))
+    monkeypatch.setattr(eviction, "QUICK_POOL_FRACTIONS", (0.5,))
+    set_debug_checks(False)
+    out = ["--quick", "--out", str(tmp_path)]
+    p = prefix.main(out)["headline"]
+    assert 0.5 < p["prefill_tokens_saved"] < 1 and p["hit_ttft_over_cold"] > 0
+    m = multiturn.main(out)["headline"]
+    assert m["turn3_physical_over_naive"] < 0.7 and 1 <= m["prefill_over_new_tokens"] < 1.2
+    e = eviction.main(out)
+    assert {r["policy"] for r in e["runs"]} == {"fifo", "leaf_first", "lfu", "lru"}
+    assert all(r["hit_rate"] > 0 for r in e["runs"]) and e["headline"]["best_policy"] in {"fifo", "leaf_first", "lfu", "lru"}
+    for name in ("prefix", "multiturn", "eviction"):
+        assert json.loads((tmp_path / f"{name}.json").read_text())["headline"]
+        assert (tmp_path / f"{name}.png").stat().st_size > 0

@@ -206,16 +206,29 @@ class HostViewMachine(BlockManagerMachine):
 
     def _apply_release(self, s):
         before = self.view()
-        freed = int(num_free_blocks(self.state))
         ref_status = super()._apply_release(s)
         if accepted(ref_status):
-            assert int(num_free_blocks(self.state)) - freed == before.blocks_freed(s)
+            assert self.view().num_available - before.num_available == before.blocks_freed(s)
             assert before.released(s).same_as(self.view())
         return ref_status
 
-    def _apply_open(self, s):
-        planned = self.view().opened(s)
-        ref_status = super()._apply_open(s)
+    def _apply_open(self, s, prefix=None):
+        planned = self.view().opened(s, prefix)
+        ref_status = super()._apply_open(s, prefix)
+        if accepted(ref_status):
+            assert planned.same_as(self.view())
+        return ref_status
+
+    def _apply_mark(self, b):
+        planned = self.view().marked(b)
+        ref_status = super()._apply_mark(b)
+        if accepted(ref_status):
+            assert planned.same_as(self.view())
+        return ref_status
+
+    def _apply_evict(self, b):
+        planned = self.view().evicted(b)
+        ref_status = super()._apply_evict(b)
         if accepted(ref_status):
             assert planned.same_as(self.view())
         return ref_status
@@ -262,7 +275,8 @@ class HostViewMachine(BlockManagerMachine):
         live = [r for r in rows if r in self.ref.tables]
         assert view.blocks_held(rows) == len({b for r in live for b in self.ref.tables[r]})
         assert view.num_free == self.ref.num_free_blocks()
-        assert view.blocks_held(range(MAX_SEQS)) == self.shape[0] - view.num_free
+        assert view.num_cached_free == self.ref.num_cached_free()
+        assert view.blocks_held(range(MAX_SEQS)) == self.shape[0] - view.num_available
 
 
 @pytest.mark.parametrize("shape", [(9, 2, 5), (12, 4, 3)], ids=["bs2", "bs4"])

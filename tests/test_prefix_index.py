@@ -30,7 +30,7 @@ def test_every_eviction_policy_keeps_the_contract(name):
     for _ in range(200):
         now += 1
         free = np.flatnonzero(~cached)
-        op = rng.integers(3)
+        op = rng.integers(4)
         if op == 0 and free.size:
             chain = rng.permutation(free)[: rng.integers(1, min(4, free.size) + 1)]
             root = rng.choice(np.flatnonzero(cached)) if cached.any() and rng.random() < 0.5 else NO_BLOCK
@@ -39,6 +39,8 @@ def test_every_eviction_policy_keeps_the_contract(name):
             cached[chain] = True
         elif op == 1 and cached.any():
             meta = policy.touch(meta, rng.choice(np.flatnonzero(cached), size=2), now)
+        elif op == 3 and cached.any():
+            meta = policy.release(meta, rng.choice(np.flatnonzero(cached), size=2), now)
         elif cached.any():
             candidates = cached & (rng.random(N) < 0.6)
             k = int(rng.integers(0, 6))
@@ -71,6 +73,13 @@ def test_each_policy_evicts_in_its_own_order():
     p = get_eviction_policy("leaf_first")
     meta = p.insert(p.init(4), [0, 1], [NO_BLOCK, 0], now=1)
     assert p.choose(meta, np.array([1, 0, 0, 0], bool), 1).tolist() == []
+    # A release is a recent use, not another use: lru and leaf_first keep block 1
+    # (released last) longest; lfu still counts uses; fifo ignores both.
+    for name, want in [("lru", [0, 2, 1]), ("leaf_first", [0, 2, 1]), ("lfu", [0, 2, 1]), ("fifo", [0, 1, 2])]:
+        p = get_eviction_policy(name)
+        meta = p.insert(p.init(4), [0, 1, 2], [NO_BLOCK, NO_BLOCK, NO_BLOCK], now=1)
+        meta = p.release(meta, [1], now=2)
+        assert p.choose(meta, np.array([1, 1, 1, 0], bool), 3).tolist() == want, name
 
 
 def test_unknown_names_are_value_errors_listing_the_choices():
@@ -150,3 +159,18 @@ def test_check_compares_entries_with_what_the_pool_stores():
     index.check(lambda b: tuple(range(4 * b, 4 * b + 4)))
     with pytest.raises(AssertionError, match="block 1 stores other tokens"):
         index.check(lambda b: (0, 1, 2, 3))
+
+
+@pytest.mark.parametrize("hash_name", ["sha256", "python"])
+def test_an_insert_resumed_from_a_recorded_block_equals_one_from_the_start(hash_name):
+    tokens = list(range(100, 120))  # five full blocks
+    whole = PrefixIndex(N, BS, hash_fn=hash_name)
+    whole.insert(tokens, [3, 4, 5, 6, 7])
+    parts = PrefixIndex(N, BS, hash_fn=hash_name)
+    parts.insert(tokens[:8], [3, 4])
+    assert parts.insert(tokens, [3, 4, 5, 6, 7], start=2) == [5, 6, 7]
+    assert parts.entries == whole.entries and parts.by_key == whole.by_key
+    # A block before ``start`` the index does not hold: hashed from the start instead.
+    other = PrefixIndex(N, BS, hash_fn=hash_name)
+    assert other.insert(tokens, [3, 4, 5, 6, 7], start=2) == [3, 4, 5, 6, 7]
+    assert other.entries == whole.entries

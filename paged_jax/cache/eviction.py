@@ -15,13 +15,18 @@ leave the cache return to its free pool).
 - ``insert(state, blocks, parents, now)``: blocks became cached, each the child of
   ``parents[i]`` in the prefix tree (``NO_BLOCK`` for a first block).
 - ``touch(state, blocks, now)``: cached blocks were used again (a prefix hit).
+- ``release(state, blocks, now)``: the last sequence holding these cached blocks ended
+  (they became cached-free): they were in use until ``now`` (an int, or one time per
+  block), which counts as recent use (as in vLLM, whose free queue takes a block at the
+  tail when its last holder goes), though not as another use.
 - ``forget(state, blocks)``: blocks left the cache (evicted); their parents lose a
   child, their children become roots.
 - ``choose(state, candidates, k)``: up to ``k`` distinct blocks to evict, in eviction
   order, all among ``candidates`` (bool[N]: cached and unreferenced). Pure: the caller
   then ``forget``s them.
 
-Policies: ``lru`` (least recently used first; the default, as in vLLM and SGLang),
+Policies: ``lru`` (least recently used first: a hit or the end of the last sequence
+holding it is a use; the default, as in vLLM and SGLang),
 ``fifo`` (oldest insertion first), ``lfu`` (fewest uses first, then least recent) and
 ``leaf_first`` (least recently used among blocks no other cached block descends from:
 a block goes only after its descendants, so a shared system prompt outlives the
@@ -55,6 +60,7 @@ class EvictionPolicy(NamedTuple):
     init: Callable[[int], EvictionState]
     insert: Callable[[EvictionState, np.ndarray, np.ndarray, int], EvictionState]
     touch: Callable[[EvictionState, np.ndarray, int], EvictionState]
+    release: Callable[[EvictionState, np.ndarray, int], EvictionState]
     forget: Callable[[EvictionState, np.ndarray], EvictionState]
     choose: Callable[[EvictionState, np.ndarray, int], np.ndarray]
 
@@ -86,6 +92,12 @@ def _touch(state: EvictionState, blocks, now: int) -> EvictionState:
     last_used[blocks] = now
     np.add.at(uses, blocks, 1)
     return state._replace(last_used=last_used, uses=uses)
+
+
+def _release(state: EvictionState, blocks, now: int) -> EvictionState:
+    last_used = state.last_used.copy()
+    last_used[_blocks(blocks)] = now
+    return state._replace(last_used=last_used)
 
 
 def _forget(state: EvictionState, blocks) -> EvictionState:
@@ -131,7 +143,7 @@ def _choose_leaves(state: EvictionState, candidates, k: int) -> np.ndarray:
 
 
 def _policy(name: str, choose) -> EvictionPolicy:
-    return EvictionPolicy(name, _init, _insert, _touch, _forget, choose)
+    return EvictionPolicy(name, _init, _insert, _touch, _release, _forget, choose)
 
 
 @functools.cache

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax.cache.ops import _int32_args, _plan_append, num_free_blocks
+from paged_jax.cache.ops import _int32_args, _plan_append, num_cached_free, num_free_blocks
 from paged_jax.cache.sentinels import NO_BLOCK
 from paged_jax.cache.state import CacheState
 from paged_jax.config import blocks_for
@@ -38,19 +38,24 @@ class Snapshot(NamedTuple):
     seq_lens: jax.Array  # int32[S]
     active: jax.Array  # bool[S]
     num_free: jax.Array  # int32[]; blocks in the free pool
+    entry_cached: jax.Array  # bool[S, P]; the block each entry names is cached (False at NO_BLOCK)
+    num_cached_free: jax.Array  # int32[]; cached blocks no table names
 
 
 def snapshot(state: CacheState) -> Snapshot:
     """The compact snapshot of ``state`` (jittable). The ref counts are gathered at the
     table entries, so nothing of size num_blocks leaves the device."""
     tables = state.block_tables
-    counts = state.ref_counts[jnp.clip(tables, 0, state.num_blocks - 1)]
+    at = jnp.clip(tables, 0, state.num_blocks - 1)
+    named = tables != NO_BLOCK
     return Snapshot(
         block_tables=tables,
-        entry_counts=jnp.where(tables != NO_BLOCK, counts, 0),
+        entry_counts=jnp.where(named, state.ref_counts[at], 0),
         seq_lens=state.seq_lens,
         active=state.active,
         num_free=num_free_blocks(state),
+        entry_cached=named & state.cached[at],
+        num_cached_free=num_cached_free(state),
     )
 
 
@@ -70,6 +75,10 @@ class HostView:
       block_size: tokens per block (the state's static ``block_size``).
       block_tables, entry_counts: int32[S, P]; seq_lens: int32[S]; active: bool[S].
       num_free: blocks in the free pool.
+      entry_cached: bool[S, P]: the entry's block is cached (prefix caching; its count
+        then includes the cache's own reference).
+      num_cached_free: cached blocks no table names: reclaimable, so counted by
+        ``num_available`` with the pool.
     """
 
     block_size: int
@@ -78,31 +87,44 @@ class HostView:
     seq_lens: np.ndarray
     active: np.ndarray
     num_free: int
+    entry_cached: np.ndarray | None = None  # None: nothing cached
+    num_cached_free: int = 0
 
     def __post_init__(self):
         # Private read-only copies with fixed dtypes, however the view was built.
+        if self.entry_cached is None:
+            object.__setattr__(self, "entry_cached", np.zeros(np.shape(self.block_tables), bool))
         for name, dtype in [("block_tables", np.int32), ("entry_counts", np.int32), ("seq_lens", np.int32),
-                            ("active", bool)]:
+                            ("active", bool), ("entry_cached", bool)]:
             object.__setattr__(self, name, _frozen(getattr(self, name), dtype))
         object.__setattr__(self, "block_size", int(self.block_size))
         object.__setattr__(self, "num_free", int(self.num_free))
+        object.__setattr__(self, "num_cached_free", int(self.num_cached_free))
 
     @classmethod
     def from_snapshot(cls, snap: Snapshot, block_size: int) -> HostView:
         """A view of a snapshot (device arrays are fetched in one transfer)."""
         snap = jax.device_get(snap)
-        return cls(block_size, snap.block_tables, snap.entry_counts, snap.seq_lens, snap.active, snap.num_free)
+        return cls(block_size, snap.block_tables, snap.entry_counts, snap.seq_lens, snap.active, snap.num_free,
+                   snap.entry_cached, snap.num_cached_free)
 
     def same_as(self, other: HostView) -> bool:
         """Every field equal (the views describe the same state)."""
         return (
             self.block_size == other.block_size
             and self.num_free == other.num_free
+            and self.num_cached_free == other.num_cached_free
             and all(
                 np.array_equal(getattr(self, f), getattr(other, f))
-                for f in ("block_tables", "entry_counts", "seq_lens", "active")
+                for f in ("block_tables", "entry_counts", "seq_lens", "active", "entry_cached")
             )
         )
+
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation can get: the free pool plus the cached-free blocks an
+        eviction would return to it."""
+        return self.num_free + self.num_cached_free
 
     @property
     def max_seqs(self) -> int:
@@ -140,22 +162,34 @@ class HostView:
         return rows[self.active[rows]]
 
     def _named_entries(self, op: str, seq_ids) -> tuple[np.ndarray, np.ndarray]:
-        """(block ids, their ref counts) of every entry of the distinct live rows named."""
+        """(block ids, their table references) of every entry of the distinct live rows
+        named (a cached block's own reference left out)."""
         rows = self._live_rows(op, seq_ids)
-        tables, counts = self.block_tables[rows], self.entry_counts[rows]
+        tables, counts = self.block_tables[rows], self.entry_counts[rows] - self.entry_cached[rows]
         named = tables != NO_BLOCK
         return tables[named], counts[named]
 
+    def _freed(self, seq_ids, op: str) -> tuple[int, int]:
+        """(to the pool, to cached-free): blocks whose every table reference comes from
+        these rows, uncached and cached."""
+        rows = self._live_rows(op, seq_ids)
+        tables, cached = self.block_tables[rows], self.entry_cached[rows]
+        counts = self.entry_counts[rows] - cached
+        named = tables != NO_BLOCK
+        _, first, hits = np.unique(tables[named], return_index=True, return_counts=True)
+        gone = hits == counts[named][first]
+        to_cache = int((gone & cached[named][first]).sum())
+        return int(gone.sum()) - to_cache, to_cache
+
     def blocks_freed(self, seq_ids) -> int:
-        """Blocks that return to the pool if these rows are released together: those whose
-        every reference comes from these rows. Padding, out-of-range and dead ids hold
-        nothing; a repeated id counts once.
+        """Blocks that become available (``num_available``) if these rows are released
+        together: those whose every table reference comes from these rows (to the pool,
+        or cached-free if cached). Padding, out-of-range and dead ids hold nothing; a
+        repeated id counts once.
 
         seq_ids: integer sequence or array [B].
         """
-        blocks, counts = self._named_entries("HostView.blocks_freed", seq_ids)
-        _, first, hits = np.unique(blocks, return_index=True, return_counts=True)
-        return int((hits == counts[first]).sum())
+        return sum(self._freed(seq_ids, "HostView.blocks_freed"))
 
     def blocks_held(self, seq_ids) -> int:
         """Distinct physical blocks these rows name (a block they share counted once).
@@ -191,23 +225,79 @@ class HostView:
         rows = self._live_rows("HostView.released", seq_ids)
         if not rows.size:
             return self
+        to_pool, to_cache = self._freed(rows, "HostView.released")
         gone = self.block_tables[rows]
         blocks, hits = np.unique(gone[gone != NO_BLOCK], return_counts=True)
         tables, counts = self.block_tables.copy(), self.entry_counts.copy()
         self._add_to_entries(tables, counts, blocks, -hits)
         tables[rows], counts[rows] = NO_BLOCK, 0
+        cached = self.entry_cached.copy()
+        cached[rows] = False
         lens, active = self.seq_lens.copy(), self.active.copy()
         lens[rows], active[rows] = 0, False
         return self._replace(block_tables=tables, entry_counts=counts, seq_lens=lens, active=active,
-                             num_free=self.num_free + self.blocks_freed(rows))
+                             entry_cached=cached, num_free=self.num_free + to_pool,
+                             num_cached_free=self.num_cached_free + to_cache)
 
-    def opened(self, seq_ids) -> HostView:
-        """The view after ``open_sequences(state, seq_ids)``: the rows are live and empty."""
-        (seq_ids,) = _int32_args("HostView.opened", ("seq_ids", seq_ids, 1), xp=np)
-        rows = seq_ids[(seq_ids >= 0) & (seq_ids < self.max_seqs)]
+    def opened(self, seq_ids, prefix_blocks=None) -> HostView:
+        """The view after ``open_sequences(state, seq_ids, prefix_blocks)``: the rows are
+        live, empty or starting with the cached blocks ``prefix_blocks`` (int[B, K],
+        NO_BLOCK-padded) names. A named block no table named before was cached-free."""
+        if prefix_blocks is None:
+            (seq_ids,) = _int32_args("HostView.opened", ("seq_ids", seq_ids, 1), xp=np)
+            prefix_blocks = np.full((seq_ids.shape[0], 0), NO_BLOCK, np.int32)
+        else:
+            seq_ids, prefix_blocks = _int32_args(
+                "HostView.opened", ("seq_ids", seq_ids, 1), ("prefix_blocks", prefix_blocks, 2), xp=np
+            )
+        real = (seq_ids >= 0) & (seq_ids < self.max_seqs)
+        rows, prefix = seq_ids[real], prefix_blocks[real]
         lens, active = self.seq_lens.copy(), self.active.copy()
-        lens[rows], active[rows] = 0, True
-        return self._replace(seq_lens=lens, active=active)
+        tables, counts, cached = self.block_tables.copy(), self.entry_counts.copy(), self.entry_cached.copy()
+        named_before = self.block_tables != NO_BLOCK
+        ids_before, first = np.unique(self.block_tables[named_before], return_index=True)
+        for row, row_blocks in zip(rows, prefix, strict=True):
+            ids = row_blocks[row_blocks != NO_BLOCK]
+            tables[row], cached[row] = NO_BLOCK, False
+            tables[row, : ids.size], cached[row, : ids.size] = ids, True
+            lens[row], active[row] = ids.size * self.block_size, True
+        blocks, hits = np.unique(prefix[prefix != NO_BLOCK], return_counts=True)
+        idle = 0
+        if blocks.size:
+            known = np.isin(blocks, ids_before)
+            total = np.ones(blocks.shape, np.int32)  # cached-free: the cache's own reference
+            total[known] = self.entry_counts[named_before][first[np.searchsorted(ids_before, blocks[known])]]
+            total += hits.astype(np.int32)
+            hit = (tables != NO_BLOCK) & np.isin(tables, blocks)
+            counts[hit] = total[np.searchsorted(blocks, tables[hit])]
+            idle = int((~known).sum())
+        return self._replace(block_tables=tables, entry_counts=counts, seq_lens=lens, active=active,
+                             entry_cached=cached, num_cached_free=self.num_cached_free - idle)
+
+    def marked(self, block_ids) -> HostView:
+        """The view after ``mark_cached(state, block_ids)``: the blocks (referenced) are
+        cached and hold one more reference, the cache's."""
+        (block_ids,) = _int32_args("HostView.marked", ("block_ids", block_ids, 1), xp=np)
+        blocks = np.unique(block_ids[block_ids != NO_BLOCK])
+        if not blocks.size:
+            return self
+        hit = (self.block_tables != NO_BLOCK) & np.isin(self.block_tables, blocks)
+        counts, cached = self.entry_counts.copy(), self.entry_cached.copy()
+        counts[hit] += 1
+        cached[hit] = True
+        return self._replace(entry_counts=counts, entry_cached=cached)
+
+    def evicted(self, block_ids) -> HostView:
+        """The view after ``evict_cached(state, block_ids)``: the (cached-free) blocks
+        return to the pool."""
+        (block_ids,) = _int32_args("HostView.evicted", ("block_ids", block_ids, 1), xp=np)
+        k = int(np.unique(block_ids[block_ids != NO_BLOCK]).size)
+        return self._replace(num_free=self.num_free + k, num_cached_free=self.num_cached_free - k)
+
+    def named_blocks(self) -> np.ndarray:
+        """int32[]: the distinct (real) blocks some table names, sorted."""
+        tables = self.block_tables
+        return np.unique(tables[tables >= 0])
 
     def forked(self, parent_ids, child_ids) -> HostView:
         """The view after ``fork(state, parent_ids, child_ids)``: each child row is a copy of
@@ -224,9 +314,12 @@ class HostView:
         new = self.block_tables[parents]
         blocks, hits = np.unique(new[new != NO_BLOCK], return_counts=True)
         tables[children], counts[children] = new, self.entry_counts[parents]
+        cached = self.entry_cached.copy()
+        cached[children] = self.entry_cached[parents]
         lens[children], active[children] = self.seq_lens[parents], True
         self._add_to_entries(tables, counts, blocks, hits)
-        return self._replace(block_tables=tables, entry_counts=counts, seq_lens=lens, active=active)
+        return self._replace(block_tables=tables, entry_counts=counts, seq_lens=lens, active=active,
+                             entry_cached=cached)
 
     def selected(self, seq_ids, parent_ids) -> HostView:
         """The view after ``select_parents(state, seq_ids, parent_ids)``: row ``seq_ids[i]``
@@ -248,20 +341,25 @@ class HostView:
         delta = np.zeros(blocks.shape, np.int32)
         delta[np.searchsorted(blocks, gained)] += plus.astype(np.int32)
         delta[np.searchsorted(blocks, lost)] -= minus.astype(np.int32)
-        before = np.zeros(blocks.shape, np.int32)
+        before = np.zeros(blocks.shape, np.int32)  # table references before the call
+        was_cached = np.zeros(blocks.shape, bool)
         named = self.block_tables != NO_BLOCK
         ids, first = np.unique(self.block_tables[named], return_index=True)
         present = np.isin(blocks, ids)
-        before[present] = self.entry_counts[named][first][np.searchsorted(ids, blocks[present])]
+        at = first[np.searchsorted(ids, blocks[present])]
+        was_cached[present] = self.entry_cached[named][at]
+        before[present] = self.entry_counts[named][at] - was_cached[present]
         tables, counts = self.block_tables.copy(), self.entry_counts.copy()
+        cached = self.entry_cached.copy()
         new_counts = self.entry_counts[parents].copy()
-        tables[rows], counts[rows] = new, new_counts
+        tables[rows], counts[rows], cached[rows] = new, new_counts, self.entry_cached[parents]
         self._add_to_entries(tables, counts, blocks, delta)
         lens, active = self.seq_lens.copy(), self.active.copy()
         lens[rows], active[rows] = self.seq_lens[parents], True
-        freed = int(((before > 0) & (before + delta == 0)).sum())
+        gone = (before > 0) & (before + delta == 0)
         return self._replace(block_tables=tables, entry_counts=counts, seq_lens=lens, active=active,
-                             num_free=self.num_free + freed)
+                             entry_cached=cached, num_free=self.num_free + int((gone & ~was_cached).sum()),
+                             num_cached_free=self.num_cached_free + int((gone & was_cached).sum()))
 
     def unshared(self, seq_ids) -> HostView:
         """The view after ``unshare(state, seq_ids)``: rows in batch order, each in logical
@@ -270,19 +368,25 @@ class HostView:
         out-of-range and dead ids are skipped."""
         (seq_ids,) = _int32_args("HostView.unshared", ("seq_ids", seq_ids, 1), xp=np)
         tables, counts = self.block_tables.copy(), self.entry_counts.copy()
+        cached = self.entry_cached.copy()
         stand_in = min(int(tables.min(initial=NO_BLOCK)), NO_BLOCK) - 1
-        taken = 0
+        taken, left_cached = 0, []
         for s in seq_ids[(seq_ids >= 0) & (seq_ids < self.max_seqs)]:
             if not self.active[s]:
                 continue
             for j in np.flatnonzero((tables[s] != NO_BLOCK) & (counts[s] > 1)):
                 block = tables[s, j]
                 counts[tables == block] -= 1
-                tables[s, j], counts[s, j] = stand_in - taken, 1
+                if cached[s, j]:
+                    left_cached.append(block)
+                tables[s, j], counts[s, j], cached[s, j] = stand_in - taken, 1, False
                 taken += 1
         if not taken:
             return self
-        return self._replace(block_tables=tables, entry_counts=counts, num_free=self.num_free - taken)
+        # A cached block whose last table reference moved to a copy is cached-free.
+        idle = int((~np.isin(np.unique(left_cached), tables)).sum()) if left_cached else 0
+        return self._replace(block_tables=tables, entry_counts=counts, entry_cached=cached,
+                             num_free=self.num_free - taken, num_cached_free=self.num_cached_free + idle)
 
     def restored(self, seq_ids, seq_lens, local_tables, num_local) -> HostView:
         """The view after ``restore_rows(state, seq_ids, seq_lens, local_tables, num_local)``:
@@ -315,9 +419,11 @@ class HostView:
         tables, entry_counts = self.block_tables.copy(), self.entry_counts.copy()
         lens, active = self.seq_lens.copy(), self.active.copy()
         tables[rows], entry_counts[rows] = phys[real], entry[real]
+        cached = self.entry_cached.copy()
+        cached[rows] = False
         lens[rows], active[rows] = seq_lens[real], True
         return self._replace(block_tables=tables, entry_counts=entry_counts, seq_lens=lens, active=active,
-                             num_free=self.num_free - num_local)
+                             entry_cached=cached, num_free=self.num_free - num_local)
 
 
 def host_view(state: CacheState) -> HostView:

@@ -22,9 +22,10 @@ def _fail(op: str | None, name: str, detail: str, offenders) -> None:
 def check_invariants(state: CacheState, *, op: str | None = None) -> None:
     """Raise ``InvariantError`` unless ``state`` is consistent.
 
-    Checks: the free pool holds no duplicate and no out-of-range id; no block is both free
-    and referenced, and none is neither (allocated + free == num_blocks);
-    ref_counts[b] == number of table entries naming b; live rows hold exactly
+    Checks: the free pool holds no duplicate and no out-of-range id; every block is
+    exactly one of free (count 0, in the pool), referenced (named by a table) or
+    cached-free (cached, named by none); ref_counts[b] == number of table entries naming
+    b, plus 1 if b is cached; live rows hold exactly
     ceil(len / block_size) blocks, then NO_BLOCK; a row never names a block twice;
     dead rows are empty.
     """
@@ -32,6 +33,7 @@ def check_invariants(state: CacheState, *, op: str | None = None) -> None:
     lens = np.asarray(state.seq_lens)
     active = np.asarray(state.active)
     counts = np.asarray(state.ref_counts)
+    cached = np.asarray(state.cached)
     n, bs = counts.shape[0], state.block_size
     max_seqs, width = tables.shape
 
@@ -57,6 +59,9 @@ def check_invariants(state: CacheState, *, op: str | None = None) -> None:
         _fail(op, "no block neither free nor referenced (leak)", "count 0 but not in the pool", neither)
     if int((counts > 0).sum()) + free.size != n:
         _fail(op, "allocated + free == num_blocks", f"{int((counts > 0).sum())} + {free.size} != {n}", [])
+    both = np.flatnonzero(is_free & cached)
+    if both.size:
+        _fail(op, "no block both free and cached", "cached blocks in the pool", both)
 
     dead = np.flatnonzero(~active & ((lens != 0) | (tables != NO_BLOCK).any(axis=1)))
     if dead.size:
@@ -78,6 +83,8 @@ def check_invariants(state: CacheState, *, op: str | None = None) -> None:
         if np.unique(ids).size != ids.size:
             _fail(op, "a row never names a block twice", f"seq {row} repeats a block", [row])
     expected = np.bincount(named, minlength=n) if named.size else np.zeros(n, np.int64)
+    expected = expected + cached
     off = np.flatnonzero(expected != counts)
     if off.size:
-        _fail(op, "ref_counts[b] == table entries naming b", f"counts {counts[off][:10].tolist()} vs entries {expected[off][:10].tolist()}", off)
+        _fail(op, "ref_counts[b] == table entries naming b (+1 if cached)",
+              f"counts {counts[off][:10].tolist()} vs entries {expected[off][:10].tolist()}", off)

@@ -324,19 +324,129 @@ def blocks_needed(state: CacheState, seq_ids: jax.Array, num_tokens: jax.Array) 
 
 
 @_checked
-def open_sequences(state: CacheState, seq_ids: jax.Array) -> tuple[CacheState, jax.Array]:
-    """Make free rows live, empty sequences (length 0, no block yet).
+def open_sequences(
+    state: CacheState, seq_ids: jax.Array, prefix_blocks: jax.Array | None = None
+) -> tuple[CacheState, jax.Array]:
+    """Make free rows live: empty sequences, or sequences that start with cached blocks.
 
-    seq_ids: int32[B] rows that must be inactive and distinct. Returns (state, status).
+    seq_ids: int32[B] rows that must be inactive and distinct.
+    prefix_blocks: optional int32[B, K], K <= max_blocks_per_seq (prefix caching): row i
+      starts with the blocks ``prefix_blocks[i]`` names, in order, then ``NO_BLOCK``s, and
+      holds ``k * block_size`` tokens for its k blocks; each named block gains a reference
+      (no copy). Every named block must be cached, distinct within its row, and no block
+      may follow a ``NO_BLOCK`` (else BAD_TABLE). Rows of one call may name the same block.
+    Returns (state, status).
     """
-    (seq_ids,) = _int32_args("open_sequences", ("seq_ids", seq_ids, 1))
+    if prefix_blocks is None:
+        (seq_ids,) = _int32_args("open_sequences", ("seq_ids", seq_ids, 1))
+    else:
+        seq_ids, prefix_blocks = _int32_args(
+            "open_sequences", ("seq_ids", seq_ids, 1), ("prefix_blocks", prefix_blocks, 2)
+        )
     status, real, safe = _id_status(state, seq_ids, want_active=False, unique=True)
+    if prefix_blocks is None:
+        apply = jnp.all(status == Status.OK)
+        rows = _rows_or_drop(state, safe, real & apply)
+        return state.replace(
+            active=state.active.at[rows].set(True, mode="drop"),
+            seq_lens=state.seq_lens.at[rows].set(0, mode="drop"),
+        ), status
+    k = prefix_blocks.shape[1]
+    if k > state.max_blocks_per_seq:
+        raise ValueError(
+            f"open_sequences: prefix_blocks has shape {tuple(prefix_blocks.shape)}; its width must be at "
+            f"most max_blocks_per_seq={state.max_blocks_per_seq}"
+        )
+    n = state.num_blocks
+    named = prefix_blocks != NO_BLOCK
+    count = named.sum(axis=1)
+    in_order = jnp.arange(k)[None, :] < count[:, None]  # the named entries come first
+    in_range = (prefix_blocks >= 0) & (prefix_blocks < n)
+    cached = state.cached[jnp.clip(prefix_blocks, 0, n - 1)]
+    keyed = jnp.sort(jnp.where(named, prefix_blocks, -1 - jnp.arange(k)[None, :]), axis=1)
+    row_bad = (jnp.any(named & ~(in_range & cached), axis=1) | jnp.any(named != in_order, axis=1)
+               | jnp.any(keyed[:, 1:] == keyed[:, :-1], axis=1))
+    status = _first(status, Status.BAD_TABLE, real & row_bad)
     apply = jnp.all(status == Status.OK)
-    rows = _rows_or_drop(state, safe, real & apply)
+    do = real & apply
+    rows = _rows_or_drop(state, safe, do)
+    table = jnp.pad(jnp.where(named, prefix_blocks, NO_BLOCK), ((0, 0), (0, state.max_blocks_per_seq - k)),
+                    constant_values=NO_BLOCK)
+    ref_counts = state.ref_counts.at[_blocks_or_drop(state, prefix_blocks, do[:, None] & named)].add(
+        1, mode="drop")
     return state.replace(
+        block_tables=state.block_tables.at[rows].set(table, mode="drop"),
         active=state.active.at[rows].set(True, mode="drop"),
-        seq_lens=state.seq_lens.at[rows].set(0, mode="drop"),
+        seq_lens=state.seq_lens.at[rows].set(count * state.block_size, mode="drop"),
+        ref_counts=ref_counts,
     ), status
+
+
+def _block_status(state: CacheState, block_ids: jax.Array, ok: Callable) -> tuple[jax.Array, jax.Array]:
+    """(status int32[M], real bool[M]) for a batch of block ids: NO_BLOCK is padding;
+    BAD_BLOCK for an id out of range, repeated in the batch, or failing ``ok(counts,
+    cached) -> bool[M]`` (the op's precondition). O(M log M): a sort finds repeats."""
+    n = state.num_blocks
+    pad = block_ids == NO_BLOCK
+    in_range = (block_ids >= 0) & (block_ids < n)
+    safe = jnp.clip(block_ids, 0, n - 1)
+    keyed = jnp.where(in_range, block_ids, -1 - jnp.arange(block_ids.shape[0]))
+    order = jnp.argsort(keyed)
+    k = keyed[order]
+    dup_sorted = jnp.concatenate([k[1:] == k[:-1], jnp.zeros((1,), bool)]) | jnp.concatenate(
+        [jnp.zeros((1,), bool), k[1:] == k[:-1]])
+    dup = jnp.zeros_like(dup_sorted).at[order].set(dup_sorted)
+    good = in_range & ~dup & ok(state.ref_counts[safe], state.cached[safe])
+    status = jnp.where(pad | good, Status.OK, Status.BAD_BLOCK).astype(jnp.int32)
+    return status, in_range
+
+
+@_checked
+def mark_cached(state: CacheState, block_ids: jax.Array) -> tuple[CacheState, jax.Array]:
+    """Prefix caching: the prefix cache takes a reference to each block (now full and
+    never written again; an append into it copies it first, as into any shared block).
+    When the last table entry naming it goes, the block stays out of the pool,
+    cached-free, until ``evict_cached``.
+
+    block_ids: int32[M] referenced (count >= 1), uncached, distinct blocks; NO_BLOCK is
+    padding. Returns (state, status int32[M]): BAD_BLOCK where an id breaks that.
+    """
+    (block_ids,) = _int32_args("mark_cached", ("block_ids", block_ids, 1))
+    status, real = _block_status(state, block_ids, lambda counts, cached: (counts >= 1) & ~cached)
+    do = real & jnp.all(status == Status.OK)
+    dst = _blocks_or_drop(state, block_ids, do)
+    return state.replace(
+        ref_counts=state.ref_counts.at[dst].add(1, mode="drop"),
+        cached=state.cached.at[dst].set(True, mode="drop"),
+    ), status
+
+
+@_checked
+def evict_cached(state: CacheState, block_ids: jax.Array) -> tuple[CacheState, jax.Array]:
+    """Prefix caching: drop the cache's reference to cached-free blocks (named by no
+    table), which return to the pool in batch order.
+
+    block_ids: int32[M] cached, unreferenced (count exactly 1: the cache's), distinct
+    blocks; NO_BLOCK is padding. A block any sequence still names is never evicted:
+    BAD_BLOCK, as for an id out of range, uncached or repeated. Returns (state, status
+    int32[M]).
+    """
+    (block_ids,) = _int32_args("evict_cached", ("block_ids", block_ids, 1))
+    status, real = _block_status(state, block_ids, lambda counts, cached: cached & (counts == 1))
+    do = real & jnp.all(status == Status.OK)
+    none = jnp.zeros((0,), jnp.int32)
+    ref_counts, pool = _change_counts(state, none, none.astype(bool), block_ids, do)
+    return state.replace(
+        ref_counts=ref_counts,
+        pool=pool,
+        cached=state.cached.at[_blocks_or_drop(state, block_ids, do)].set(False, mode="drop"),
+    ), status
+
+
+def num_cached_free(state: CacheState) -> jax.Array:
+    """int32[]: cached blocks no table names (reclaimable by ``evict_cached``). O(num_blocks),
+    a reduction: once per engine step, in the snapshot."""
+    return jnp.sum(state.cached & (state.ref_counts == 1), dtype=jnp.int32)
 
 
 class AppendResult(NamedTuple):

@@ -27,6 +27,7 @@ counts: the caller says which cached blocks are unreferenced when it asks for vi
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -45,12 +46,13 @@ class HashFunction(NamedTuple):
 
 
 def _digest(algorithm: str):
+    new = getattr(hashlib, algorithm)  # the named constructor: faster than hashlib.new per call
+
     def fn(parent, salt, tokens):
-        h = hashlib.new(algorithm)
-        h.update(parent or b"")
+        h = new(parent or b"")
         salt_bytes = b"" if salt is None else salt.encode()
         h.update(len(salt_bytes).to_bytes(4, "little") + salt_bytes + (b"\x01" if salt is not None else b"\x00"))
-        h.update(np.asarray(tokens, np.int64).tobytes())
+        h.update(struct.pack(f"<{len(tokens)}q", *tokens))
         return h.digest()
 
     return fn
@@ -78,7 +80,7 @@ def block_keys(tokens: Sequence[int], block_size: int, *, salt: str | None = Non
     fn = get_hash(hash_fn).fn
     keys, parent = [], None
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = fn(parent, salt, tuple(int(t) for t in tokens[start: start + block_size]))
+        parent = fn(parent, salt, tuple(map(int, tokens[start: start + block_size])))
         keys.append(parent)
     return keys
 
@@ -125,7 +127,7 @@ class PrefixIndex:
         key, prev, hits = None, NO_BLOCK, []
         bs = self.block_size
         for i in range(limit):
-            block_tokens = tuple(int(t) for t in tokens[i * bs: (i + 1) * bs])
+            block_tokens = tuple(map(int, tokens[i * bs: (i + 1) * bs]))
             parent_key, key = key, self.hash.fn(key, salt, block_tokens)
             block = self.by_key.get(key)
             if block is None or not self._same(self.entries[block], block_tokens, salt, parent_key, prev):
@@ -141,22 +143,44 @@ class PrefixIndex:
         limit = max(len(tokens) - 1, 0) // self.block_size
         hit = self._hits(tokens, salt, limit)
         if touch and hit:
-            self.clock += 1
-            self.meta = self.policy.touch(self.meta, np.asarray(hit), self.clock)
+            self.touch(hit)
         return hit
 
-    def insert(self, tokens: Sequence[int], blocks: Sequence[int], salt: str | None = None) -> list[int]:
+    def touch(self, blocks: Sequence[int]) -> None:
+        """Record a use of cached ``blocks`` (a hit) with the eviction policy."""
+        self.clock += 1
+        self.meta = self.policy.touch(self.meta, np.asarray(blocks, np.int64), self.clock)
+
+    def released(self, blocks: Sequence[int]) -> None:
+        """The sequences holding these blocks ended: those the index holds were in use
+        until now (the eviction policy's ``release``), in the given order: each counts
+        as used a tick after the one before it."""
+        held = np.asarray([int(b) for b in blocks if int(b) in self.entries], np.int64)
+        if held.size:
+            now = self.clock + 1 + np.arange(held.size)
+            self.clock += held.size
+            self.meta = self.policy.release(self.meta, held, now)
+
+    def insert(self, tokens: Sequence[int], blocks: Sequence[int], salt: str | None = None, *,
+               start: int = 0) -> list[int]:
         """Record that ``blocks[i]`` holds full block i of ``tokens`` (a sequence's table,
         in order). Where another block already holds the same prefix (another sequence
         computed it too), that block stays the cached one and the chain continues from
         it; a block holding something else, or a key collision, stops the insertion.
+        ``start``: blocks before it are known to be recorded already; the chain resumes
+        from block ``start - 1``'s entry when the index holds that block (a block shared
+        at the same position holds the same prefix), else it is hashed from the start.
         Returns the blocks newly indexed."""
         limit = min(len(tokens) // self.block_size, len(blocks))
         new, parents, prev = [], [], NO_BLOCK
-        key, bs = None, self.block_size
-        for i in range(limit):
+        key, bs, first = None, self.block_size, 0
+        if 0 < start <= limit:
+            entry = self.entries.get(int(blocks[start - 1]))
+            if entry is not None and entry.salt == salt:
+                key, prev, first = entry.key, int(blocks[start - 1]), start
+        for i in range(first, limit):
             block = int(blocks[i])
-            block_tokens = tuple(int(t) for t in tokens[i * bs: (i + 1) * bs])
+            block_tokens = tuple(map(int, tokens[i * bs: (i + 1) * bs]))
             parent_key, key = key, self.hash.fn(key, salt, block_tokens)
             owner = self.by_key.get(key)
             if owner is not None:

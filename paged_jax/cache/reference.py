@@ -85,7 +85,8 @@ class ReferenceBlockManager:
         self.free = ReferenceFreeList(policy, num_blocks)
         self.tables: dict[int, list[int]] = {}  # live sequence -> physical blocks
         self.lens: dict[int, int] = {}
-        self.counts = [0] * num_blocks
+        self.counts = [0] * num_blocks  # table entries naming each block, +1 if cached
+        self.cached: set[int] = set()  # blocks the prefix cache holds
 
     # ------------------------------------------------------------------ validation
 
@@ -129,13 +130,52 @@ class ReferenceBlockManager:
 
     # ------------------------------------------------------------------ ops
 
-    def open_sequences(self, ids):
+    def open_sequences(self, ids, prefix_blocks=None):
         status = self._status(ids, want_active=False, unique=True)
+        prefixes = [[] for _ in ids]
+        if prefix_blocks is not None:
+            for i, (s, row) in enumerate(zip(ids, prefix_blocks)):
+                row = [int(b) for b in row]
+                named = [b for b in row if b != NO_BLOCK]
+                bad = (row[: len(named)] != named or len(set(named)) < len(named)
+                       or any(b not in self.cached for b in named))
+                if s != NO_SEQ and status[i] == Status.OK and bad:
+                    status[i] = Status.BAD_TABLE
+                prefixes[i] = named
         if self._all_ok(status):
-            for s in ids:
+            for s, named in zip(ids, prefixes):
                 if s != NO_SEQ:
-                    self.tables[s], self.lens[s] = [], 0
+                    self.tables[s], self.lens[s] = list(named), len(named) * self.block_size
+                    for b in named:
+                        self.counts[b] += 1
         return status
+
+    def _block_status(self, block_ids, ok):
+        hits = collections.Counter(block_ids)
+        return [Status.OK if b == NO_BLOCK else
+                Status.BAD_BLOCK if not (0 <= b < self.num_blocks) or hits[b] > 1 or not ok(b) else Status.OK
+                for b in block_ids]
+
+    def mark_cached(self, block_ids):
+        status = self._block_status(block_ids, lambda b: self.counts[b] >= 1 and b not in self.cached)
+        if self._all_ok(status):
+            for b in block_ids:
+                if b != NO_BLOCK:
+                    self.cached.add(b)
+                    self.counts[b] += 1
+        return status
+
+    def evict_cached(self, block_ids):
+        status = self._block_status(block_ids, lambda b: b in self.cached and self.counts[b] == 1)
+        if self._all_ok(status):
+            for b in block_ids:
+                if b != NO_BLOCK:
+                    self.cached.remove(b)
+                    self._drop_reference(b)
+        return status
+
+    def num_cached_free(self) -> int:
+        return sum(self.counts[b] == 1 for b in self.cached)
 
     def blocks_needed(self, ids, num_tokens):
         """Blocks each append would take, appending in batch order (copy-on-write included)."""
@@ -325,7 +365,8 @@ class ReferenceBlockManager:
         return len(self.free)
 
     def snapshot(self):
-        """(tables, lens, counts, ordered free list) in the device state's terms."""
+        """(tables, lens, counts, ordered free list) in the device state's terms (the
+        cached blocks are ``self.cached``)."""
         tables = [[NO_BLOCK] * self.max_blocks_per_seq for _ in range(self.max_seqs)]
         lens = [0] * self.max_seqs
         for s, row in self.tables.items():

@@ -1,7 +1,9 @@
 """The whole block-manager state as one frozen pytree of fixed-size arrays.
 
-Every physical block is either free (ref count 0, in the policy's pool) or referenced
-(ref count >= 1, not in the pool): never both, never neither.
+Every physical block is exactly one of: free (ref count 0, in the policy's pool),
+referenced (named by table entries), or cached-free (prefix caching: kept for reuse, named
+by no table). A cached block holds one reference of its own, so its count never reaches
+0 while it is cached and it stays out of the pool until it is evicted.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ class CacheState:
     block_tables: jax.Array  # int32[max_seqs, max_blocks_per_seq]; NO_BLOCK past the end
     seq_lens: jax.Array  # int32[max_seqs]; tokens held; 0 for inactive rows
     active: jax.Array  # bool[max_seqs]; row is a live sequence
-    ref_counts: jax.Array  # int32[num_blocks]; table entries pointing at each block
+    ref_counts: jax.Array  # int32[num_blocks]; table entries naming each block, +1 if cached
+    cached: jax.Array  # bool[num_blocks]; held by the prefix cache (immutable, reusable)
     pool: Any  # policy-defined pytree of fixed-size arrays holding the free blocks
     # Static (part of the treedef, not traced): changing one means a new state type.
     block_size: int = struct.field(pytree_node=False, default=16)
@@ -111,6 +114,7 @@ def init_state(
         seq_lens=jnp.zeros((config.max_seqs,), jnp.int32),
         active=jnp.zeros((config.max_seqs,), bool),
         ref_counts=jnp.zeros((config.num_blocks,), jnp.int32),
+        cached=jnp.zeros((config.num_blocks,), bool),
         pool=policy.init(config.num_blocks),
         block_size=config.block_size,
         policy=policy,
@@ -129,7 +133,8 @@ class Status(enum.IntEnum):
     TABLE_FULL = 5  # the row would need more than max_blocks_per_seq blocks
     DUPLICATE_SEQ = 6  # the same row appears twice where each must be unique
     BAD_NUM_TOKENS = 7  # negative, above the call's static maximum, or a bad new length
-    BAD_TABLE = 8  # restore_rows: a malformed local block table (see restore_rows)
+    BAD_TABLE = 8  # restore_rows: a malformed local block table; open_sequences: a bad prefix
+    BAD_BLOCK = 9  # mark_cached / evict_cached: a block id out of range, repeated, or in the wrong state
     INVALID_TOKEN = 64  # set by the model steps (paged_jax.steps): a token id outside the vocabulary
 
 

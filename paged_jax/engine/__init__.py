@@ -11,6 +11,7 @@ from paged_jax.engine.accounting import PagedAccounting, StaticAccounting
 
 # Public offline API (vLLM's names).
 from paged_jax.engine.beam import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from paged_jax.engine.conversation import Conversation
 from paged_jax.engine.llm import LLM, CompletionOutput, RequestOutput, build_backend
 from paged_jax.engine.runner import ModelBackend
 from paged_jax.engine.sampling import SamplingParams, sample
@@ -20,7 +21,7 @@ from paged_jax.engine.victim import VICTIM_POLICIES, VictimPolicy, get_victim_po
 
 __all__ = [
     "LLM", "PREEMPTION_MODES", "VICTIM_POLICIES", "BeamSearchOutput", "BeamSearchParams",
-    "BeamSearchSequence", "CompletionOutput", "ModelBackend",
+    "BeamSearchSequence", "CompletionOutput", "Conversation", "ModelBackend",
     "PagedAccounting", "RequestOutput", "SamplingParams", "SeqInfo", "Sequence", "SequenceGroup",
     "StaticAccounting", "VictimPolicy", "build_backend", "get_victim_policy", "sample",
 ]

@@ -24,6 +24,17 @@ from paged_jax.engine.sequence import FinishReason, Sequence, SequenceGroup
 from paged_jax.engine.stats import EngineStats
 
 
+def _prefill_tokens(step: ScheduledStep) -> int:
+    """Tokens a step feeds that are not decodes: prompt tokens and recomputed outputs.
+    A row's fed token is a decode when it is the newest sampled token."""
+    total = 0
+    for seq, work in zip(step.seqs, step.plan.work, strict=True):
+        n = len(work.tokens)
+        decode = seq.num_computed + n == seq.num_tokens and seq.output_token_ids
+        total += n - bool(decode)
+    return total
+
+
 class LLMEngine:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, *, eos_token_id: int | None, debug_checks: bool):
         self.scheduler = scheduler
@@ -50,11 +61,13 @@ class LLMEngine:
                 f"(waiting={len(self.scheduler.waiting)}, swapped={len(self.scheduler.swapped)})"
             )
         t_sched = time.perf_counter()
+        prefilled = _prefill_tokens(step)
         result = self.runner.run(step.plan)
         t_run = time.perf_counter()
         finished, ended, generated = self.postprocess(step, result)
-        # Measured after the appends, before the finished release their blocks.
-        allocated = self.runner.config.num_blocks - result.view.num_free
+        # Measured after the appends, before the finished release their blocks; cached-free
+        # blocks (prefix caching) are reclaimable, so not allocated.
+        allocated = self.runner.config.num_blocks - result.view.num_available
         charged = self.scheduler.accounting.charged_blocks(allocated)
         tokens_held = sum(s.num_computed for g in self.scheduler.running for s in g.seqs if s.row_live)
         unshared, per_request = self._sharing(result.view)
@@ -65,7 +78,7 @@ class LLMEngine:
         self.stats.record_step(
             batch=len(step.plan.work),
             generated=generated,
-            prefilled=sum(len(w.tokens) for w in step.plan.work if len(w.tokens) > 1),
+            prefilled=prefilled,
             tokens_held=tokens_held,
             allocated_blocks=allocated,
             charged_blocks=charged,
@@ -84,9 +97,12 @@ class LLMEngine:
         """Record the step's tokens; returns (sampled sequences that finished, beam searches
         that ended, tokens generated)."""
         self.scheduler.swapped_out(step.swapped_out, result.swapped)
+        cache = self.scheduler.prefix_cache
         finished, generated, beams = [], 0, {}
         for i, (seq, work) in enumerate(zip(step.seqs, step.plan.work, strict=True)):
             seq.num_computed += len(work.tokens)
+            if cache is not None:  # before a beam step rewrites the histories
+                cache.record(seq, seq.num_computed - len(work.tokens), result.view)
             if seq.num_pending:  # mid-prefill: its sample is not a prediction we need
                 continue
             if seq.group.beam is not None:
@@ -183,5 +199,10 @@ class LLMEngine:
         sched = self.scheduler
         live = {s.slot: s.num_computed for g in sched.running for s in g.live if s.row_live}
         self.runner.check(live, pending_release=sched.pending_rows)
+        if sched.prefix_cache is not None:
+            # A beam step already rewrote its members' histories; their rows follow next step.
+            rows = {s.slot: s.token_ids()[: s.num_computed] for g in sched.running if g.pending_select is None
+                    for s in g.live if s.row_live}
+            sched.prefix_cache.check(np.asarray(self.runner.cache_state.cached), rows, self.runner.view)
         if sched.swapping:
             sched.runner.swap_pool.check([g.swapped.host_ids for g in sched.swapped if g.swapped is not None])

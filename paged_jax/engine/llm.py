@@ -33,6 +33,7 @@ from paged_jax.engine import beam as beam_lib
 from paged_jax.engine.accounting import PagedAccounting, StaticAccounting
 from paged_jax.engine.beam import BeamSearchOutput, BeamSearchParams
 from paged_jax.engine.engine import LLMEngine
+from paged_jax.engine.prefix_cache import PrefixCache
 from paged_jax.engine.runner import ModelBackend, ModelRunner, RunnerConfig
 from paged_jax.engine.sampling import SamplingParams, completion_seed, seed_for
 from paged_jax.engine.scheduler import Scheduler, SchedulerConfig
@@ -132,6 +133,20 @@ class LLM:
       share_blocks: True (default): forked completions and beams share blocks, copied on
         write. False: every fork and beam selection copies all its blocks (``unshare``):
         the baseline that measures what sharing saves.
+      enable_prefix_caching: reuse the KV of cached full blocks across requests (vLLM's
+        automatic prefix caching; ``prefix_cache.py``). A request reuses the longest
+        cached run of its prompt's full blocks under its ``cache_salt`` (a prompt dict's
+        field: requests share only within one salt; those without one share with each
+        other). Blocks filled by generated tokens are cached too, so a conversation's
+        next turn reuses its whole history. Off by default.
+      eviction_policy: which cached-free block goes first when the pool runs out: a name
+        in ``cache.EVICTION_POLICIES`` ("lru", "fifo", "lfu", "leaf_first") or an
+        ``EvictionPolicy``.
+      prefix_cache_hash: "sha256" (default), "blake2b" (cryptographic) or "python" (fast,
+        64-bit, not collision-resistant), or a ``cache.HashFunction``. Every hit is also
+        checked against the block's token ids and salt (and, for a hash that is not
+        collision-resistant, its parent block), so a collision is a miss, never another
+        sequence's KV.
       debug_checks: check every invariant after every op and step (slow; for tests).
     """
 
@@ -156,10 +171,25 @@ class LLM:
         admission_lookahead: int = 0,
         victim_policy="most_recently_admitted",
         share_blocks: bool = True,
+        enable_prefix_caching: bool = False,
+        eviction_policy="lru",
+        prefix_cache_hash="sha256",
         debug_checks: bool = False,
     ):
         if not isinstance(share_blocks, bool):
             raise ValueError(f"share_blocks={share_blocks!r}: must be True or False")
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching={enable_prefix_caching!r}: must be True or False")
+        from paged_jax.cache import get_eviction_policy, get_hash
+
+        get_eviction_policy(eviction_policy)
+        get_hash(prefix_cache_hash)
+        if enable_prefix_caching and kv_cache != "paged":
+            raise ValueError(
+                f"enable_prefix_caching=True needs kv_cache='paged': the {kv_cache!r} baseline shares no blocks"
+            )
+        if enable_prefix_caching and not share_blocks:
+            raise ValueError("enable_prefix_caching=True shares blocks; it cannot run with share_blocks=False")
         if kv_cache not in KV_CACHE_MODES:
             raise ValueError(f"kv_cache={kv_cache!r}: unknown; choose one of {list(KV_CACHE_MODES)}")
         if num_gpu_blocks is not None and kv_cache_memory_bytes is not None:
@@ -225,6 +255,7 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens,
                 allocation_policy=allocation_policy,
                 debug=debug_checks,
+                prefix_caching=enable_prefix_caching,
             ),
             swap_space_blocks=swap_space_blocks,
         )
@@ -232,6 +263,10 @@ class LLM:
             accounting = PagedAccounting(num_gpu_blocks, block_size, watermark)
         else:
             accounting = StaticAccounting(num_gpu_blocks, block_size, max_model_len)
+        prefix_cache = None
+        if enable_prefix_caching:
+            prefix_cache = PrefixCache(num_gpu_blocks, block_size, hash_fn=prefix_cache_hash,
+                                       eviction_policy=eviction_policy)
         scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -245,6 +280,7 @@ class LLM:
             self.runner,
             accounting,
             swapping=swapping,
+            prefix_cache=prefix_cache,
         )
         self.engine = LLMEngine(scheduler, self.runner, eos_token_id=backend.eos_token_id, debug_checks=debug_checks)
         self._next_request = 0
@@ -255,7 +291,9 @@ class LLM:
         """Run every prompt to completion; outputs in prompt order.
 
         Args:
-          prompts: token-id lists or ``{"prompt_token_ids": [...]}`` dicts (or one prompt).
+          prompts: token-id lists or ``{"prompt_token_ids": [...], "cache_salt": str}``
+            dicts (the salt optional: prefix caching shares blocks only within one salt),
+            or one prompt.
           sampling_params: one ``SamplingParams`` for all, one per prompt, or None
             (defaults). A ``BeamSearchParams`` in the list makes that request a beam
             search (its output is then a ``BeamSearchOutput``), batched with the others.
@@ -286,8 +324,7 @@ class LLM:
         ``BeamSearchOutput``s in prompt order (see ``beam.py`` for the rules)."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params={params!r}: expected BeamSearchParams")
-        prompts = _normalise_prompts(prompts)
-        return self.generate(prompts, [params] * len(prompts), use_tqdm=use_tqdm)
+        return self.generate(prompts, [params] * len(_normalise_prompts(prompts)), use_tqdm=use_tqdm)
 
     def add_requests(self, prompts, sampling_params=None) -> list[SequenceGroup]:
         """Validate and queue requests without running them (``generate`` = this, then
@@ -295,6 +332,8 @@ class LLM:
         themselves, e.g. a benchmark interleaving two engines. Same arguments and errors
         as ``generate``; nothing is queued if any request is bad."""
         prompts = _normalise_prompts(prompts)
+        salts = [salt for _, salt in prompts]
+        prompts = [tokens for tokens, _ in prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams | BeamSearchParams):
@@ -317,6 +356,7 @@ class LLM:
             rid = str(self._next_request)
             self._next_request += 1
             groups.append(self._group(rid, i, tuple(prompt), p))
+            groups[-1].cache_salt = salts[i]
             if i in rejected:
                 groups[-1].rejected = rejected[i]
                 warnings.warn(rejected[i] + "; rejected (its output is empty)", stacklevel=3)
@@ -439,6 +479,17 @@ class LLM:
             ),
             traces=dict(self.runner.traces),
         )
+        cache = sched.prefix_cache
+        pc = cache.counters if cache is not None else None
+        out.update(
+            prefix_caching=cache is not None,
+            prefix_cache_query_tokens=pc.query_tokens if pc else 0,
+            prefix_cache_hit_tokens=pc.hit_tokens if pc else 0,
+            prefix_cache_hit_rate=pc.hit_tokens / pc.query_tokens if pc and pc.query_tokens else 0.0,
+            prefix_cache_evictions=pc.evictions if pc else 0,
+            cached_blocks=cache.num_cached if cache is not None else 0,
+            peak_cached_blocks=pc.peak_cached_blocks if pc else 0,
+        )
         return out
 
     def reset_stats(self) -> None:
@@ -447,22 +498,31 @@ class LLM:
         from paged_jax.engine.stats import EngineStats
 
         self.engine.scheduler.counters = SchedulerCounters()
+        if (cache := self.engine.scheduler.prefix_cache) is not None:
+            from paged_jax.engine.prefix_cache import PrefixCacheCounters
+
+            cache.counters = PrefixCacheCounters(peak_cached_blocks=cache.num_cached)
         self.runner.compile_seconds = 0.0
         self.engine.stats = EngineStats(block_size=self.block_size, num_blocks=self.num_gpu_blocks)
 
 
-def _normalise_prompts(prompts) -> list[list[int]]:
+def _normalise_prompts(prompts) -> list[tuple[list[int], str | None]]:
+    """(token ids, cache salt or None) per prompt."""
     if isinstance(prompts, dict) or (isinstance(prompts, Seq) and prompts and isinstance(prompts[0], numbers.Integral)):
         prompts = [prompts]
     out = []
     for i, p in enumerate(prompts):
+        salt = None
         if isinstance(p, dict):
             if "prompt_token_ids" not in p:
                 raise ValueError(f"prompt {i}: a dict prompt needs 'prompt_token_ids'")
+            salt = p.get("cache_salt")
+            if salt is not None and not isinstance(salt, str):
+                raise ValueError(f"prompt {i}: cache_salt={salt!r} must be a string")
             p = p["prompt_token_ids"]
         if isinstance(p, str):
             raise ValueError(f"prompt {i} is a string: this engine has no tokenizer; pass token ids")
-        out.append([int(t) for t in p])
+        out.append(([int(t) for t in p], salt))
     return out
 
 

@@ -4,8 +4,10 @@ It owns the device state (the block manager's ``CacheState``, the KV pages, the 
 parameters) and executes one ``StepPlan`` per engine step with ``run``:
 
 1. copy the blocks of requests being swapped out (a gather, on the device);
-2. one housekeeping program: release rows (finished last step, preempted now), open the
-   rows of admitted requests, fork children from their parents;
+2. one housekeeping program: mark blocks cached (prefix caching), release rows (finished
+   last step, preempted now), rebuild beam rows, open the rows of admitted requests
+   (on cached blocks, for a prefix-cache hit), fork children from their parents, evict
+   cached-free blocks the step's allocations need;
 3. swap-ins: rebuild the rows of returning requests in fresh blocks (shared blocks
    shared again, ``cache.restore_rows``) and write their data back;
 4. the model steps: one decode call for every single-token append, prefill calls for the
@@ -41,8 +43,10 @@ from paged_jax.cache import (
     NO_BLOCK,
     HostView,
     check_invariants,
+    evict_cached,
     fork,
     init_state,
+    mark_cached,
     open_sequences,
     raise_for_status,
     release,
@@ -121,11 +125,14 @@ class SwapIn(NamedTuple):
 class StepPlan:
     """What the runner does in one step, in this order (see the module docstring).
 
-    ``swap_out`` rows are copied to the host and released; ``release`` rows are released;
-    ``select`` rebuilds rows from parent rows (``select_parents``: beam search); ``open``
-    rows become live (empty); ``fork`` makes each child a copy of its parent; ``unshare``
-    rows get private copies of the blocks they share (the no-sharing baseline); ``swap_in``
-    rebuilds requests from the host pool; ``work`` runs the model.
+    ``mark`` blocks become cached (prefix caching); ``swap_out`` rows are copied to the
+    host and released; ``release`` rows are released; ``select`` rebuilds rows from
+    parent rows (``select_parents``: beam search); ``open`` rows become live, empty or,
+    where ``prefix`` (aligned with ``open``, or empty) names blocks, starting on those
+    cached blocks; ``fork`` makes each child a copy of its parent; ``evict`` cached-free
+    blocks return to the pool; ``unshare`` rows get private copies of the blocks they
+    share (the no-sharing baseline); ``swap_in`` rebuilds requests from the host pool;
+    ``work`` runs the model.
     """
 
     work: list[Work] = dataclasses.field(default_factory=list)
@@ -136,11 +143,14 @@ class StepPlan:
     fork: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (parent, child) rows
     unshare: list[int] = dataclasses.field(default_factory=list)  # rows, after select and fork
     swap_in: list[SwapIn] = dataclasses.field(default_factory=list)
+    mark: list[int] = dataclasses.field(default_factory=list)  # blocks to mark cached, first
+    prefix: list[list[int]] = dataclasses.field(default_factory=list)  # per open row: cached blocks
+    evict: list[int] = dataclasses.field(default_factory=list)  # cached-free blocks, after fork
 
     @property
     def empty(self) -> bool:
         return not (self.work or self.release or self.swap_out or self.select or self.open or self.fork
-                    or self.unshare or self.swap_in)
+                    or self.unshare or self.swap_in or self.mark or self.evict)
 
 
 class StepResult(NamedTuple):
@@ -192,14 +202,29 @@ def _fused(step: Callable) -> Callable:
     return fused
 
 
-def _housekeeping(state, release_ids, select_ids, select_parents_ids, open_ids, fork_parents, fork_children):
-    """Release, select parents, open, fork (int32[S] each, NO_SEQ-padded), in that order:
-    one program."""
+def _housekeeping(state, release_ids, select_ids, select_parents_ids, open_ids, fork_parents, fork_children,
+                  open_prefix=None):
+    """Release, select parents, open (on cached blocks where ``open_prefix`` int32[S, P]
+    names them), fork (int32[S] each, NO_SEQ-padded), in that order: one program."""
     state, released = release(state, release_ids)
     state, selected = select_parents(state, select_ids, select_parents_ids)
-    state, opened = open_sequences(state, open_ids)
+    state, opened = open_sequences(state, open_ids, open_prefix)
     state, forked = fork(state, fork_parents, fork_children)
     return state, (released, selected, opened, forked)
+
+
+def _housekeeping_cached(state, mark_ids, release_ids, select_ids, select_parents_ids, open_ids, open_prefix,
+                         fork_parents, fork_children, evict_ids):
+    """With prefix caching: mark cached, then ``_housekeeping`` (opening rows on cached
+    blocks), then evict: one program. Block ids int32[M] padded with NO_BLOCK. Nothing
+    in between allocates, so evicting last serves every allocation of the step
+    (swap-ins, appends). A program of its own, so that the plain one compiles as cheaply
+    as before for engines without the cache."""
+    state, marked = mark_cached(state, mark_ids)
+    state, (released, selected, opened, forked) = _housekeeping(
+        state, release_ids, select_ids, select_parents_ids, open_ids, fork_parents, fork_children, open_prefix)
+    state, evicted = evict_cached(state, evict_ids)
+    return state, (marked, released, selected, opened, forked, evicted)
 
 
 def _unshare(state, pages, seq_ids):
@@ -215,6 +240,7 @@ def _swap_in(state, pages, seq_ids, lens, local_tables, num_local, data, *, max_
 
 
 _housekeeping_jit = jax.jit(_housekeeping, donate_argnums=0)
+_housekeeping_cached_jit = jax.jit(_housekeeping_cached, donate_argnums=0)
 _swap_in_jit = jax.jit(_swap_in, donate_argnums=(0, 1), static_argnames="max_local")
 _unshare_jit = jax.jit(_unshare, donate_argnums=(0, 1))
 _read_blocks = jax.jit(read_blocks)
@@ -230,6 +256,7 @@ class RunnerConfig:
     max_num_batched_tokens: int  # the largest prefill chunk (and token budget per step)
     allocation_policy: str = "lifo"
     debug: bool = False  # check the block manager's invariants after every op (slow)
+    prefix_caching: bool = False  # plans may mark, evict and open rows on cached blocks
 
 
 class ModelRunner:
@@ -252,6 +279,9 @@ class ModelRunner:
         self.traces: collections.Counter[str] = collections.Counter()
         self.compile_seconds = 0.0  # wall time of model calls that traced
         self._step = _fused(backend.step)
+        # Blocks one step can fill (marks) or take (evictions, swap-ins aside): a row fed
+        # n tokens fills at most n // block_size + 1 blocks.
+        self._block_batch = config.max_num_batched_tokens // config.block_size + config.max_num_seqs
         self.view = self._fresh_view()
 
     # ------------------------------------------------------------------ the step
@@ -310,18 +340,36 @@ class ModelRunner:
 
     def _run_housekeeping(self, plan: StepPlan, statuses: list) -> None:
         released = plan.release + [r for rows in plan.swap_out for r in rows]
-        if not (released or plan.select or plan.open or plan.fork or plan.unshare):
+        if not (released or plan.select or plan.open or plan.fork or plan.unshare or plan.mark or plan.evict):
             return
         size = self.config.max_num_seqs
 
         def pad(ids):
             return buckets.pad_ids(ids, size)
 
-        ids = [pad(released), pad([r for r, _ in plan.select]), pad([p for _, p in plan.select]), pad(plan.open),
-               pad([p for p, _ in plan.fork]), pad([c for _, c in plan.fork])]
-        self.cache_state, (s_rel, s_sel, s_open, s_fork) = _housekeeping_jit(self.cache_state, *ids)
-        statuses += [("release", ids[0], s_rel), ("select_parents", ids[1], s_sel),
-                     ("open_sequences", ids[3], s_open), ("fork", ids[5], s_fork)]
+        def pad_blocks(ids):
+            # One size covers every step's marks and its evictions but for a large swap-in
+            # (a bigger bucket then): the housekeeping program compiles once. NO_BLOCK is
+            # NO_SEQ, so pad_ids pads blocks too.
+            size = self._block_batch if len(ids) <= self._block_batch else buckets.bucket(len(ids))
+            return buckets.pad_ids(ids, size)
+
+        rows = [pad(released), pad([r for r, _ in plan.select]), pad([p for _, p in plan.select]), pad(plan.open)]
+        forks = [pad([p for p, _ in plan.fork]), pad([c for _, c in plan.fork])]
+        if not self.config.prefix_caching:
+            self.cache_state, (s_rel, s_sel, s_open, s_fork) = _housekeeping_jit(self.cache_state, *rows, *forks)
+            statuses += [("release", rows[0], s_rel), ("select_parents", rows[1], s_sel),
+                         ("open_sequences", rows[3], s_open), ("fork", forks[1], s_fork)]
+        else:
+            prefix = np.full((size, self.config.max_blocks_per_seq), NO_BLOCK, np.int32)
+            for i, blocks in enumerate(plan.prefix):
+                prefix[i, : len(blocks)] = blocks
+            marks, evicts = pad_blocks(plan.mark), pad_blocks(plan.evict)
+            self.cache_state, (s_mark, s_rel, s_sel, s_open, s_fork, s_evict) = _housekeeping_cached_jit(
+                self.cache_state, marks, *rows, prefix, *forks, evicts)
+            statuses += [("mark_cached", marks, s_mark), ("release", rows[0], s_rel),
+                         ("select_parents", rows[1], s_sel), ("open_sequences", rows[3], s_open),
+                         ("fork", forks[1], s_fork), ("evict_cached", evicts, s_evict)]
         if plan.unshare:
             rows = pad(plan.unshare)
             self.cache_state, self.pages, s_unshare = _unshare_jit(self.cache_state, self.pages, rows)

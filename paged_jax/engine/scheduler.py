@@ -23,6 +23,12 @@ One step (``schedule``), under a token budget of ``max_num_batched_tokens``:
 4. If nothing was preempted and nothing is still swapped out: waiting requests are
    admitted (FIFO; recompute-preempted ones sit at the front) while table rows are free,
    the budget lasts, and the accounting admits them. Their first chunk runs this step.
+   With prefix caching the leader starts on its cached blocks (``prefix_cache.py``) and
+   is charged only for blocks no row holds yet.
+5. Prefix caching: "free" means the pool plus the cached-free blocks
+   (``HostView.num_available``); when the step's allocations exceed the pool, that many
+   cached-free blocks are evicted, in the eviction policy's order, at the end of the
+   step's housekeeping.
 
 Preemption, ``preemption_mode``:
 
@@ -40,8 +46,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from paged_jax.cache import HostView
+import numpy as np
+
+from paged_jax.cache import NO_BLOCK, HostView
 from paged_jax.config import blocks_for
+from paged_jax.engine.prefix_cache import PrefixCache
 from paged_jax.engine.runner import ModelRunner, SampleRow, StepPlan, SwapIn, Work
 from paged_jax.engine.sequence import SeqStatus, Sequence, SequenceGroup
 from paged_jax.engine.victim import VictimPolicy, get_victim_policy
@@ -104,6 +113,15 @@ class _Prep:
     groups: list[SequenceGroup] = dataclasses.field(default_factory=list)  # with a pending select made
 
 
+def _padded(rows: list[list[int]], n: int) -> np.ndarray:
+    """int32[n, K]: ``rows`` (block ids, or none at all) padded with NO_BLOCK."""
+    width = max((len(r) for r in rows), default=0)
+    out = np.full((n, width), NO_BLOCK, np.int32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
 def group_blocks(group: SequenceGroup, block_size: int, share_blocks: bool = True) -> int:
     """Blocks a (re)admitted group holds once its members are rebuilt: the leader's full
     blocks of the shared prefix once (unless nothing is shared), each member's other
@@ -118,8 +136,10 @@ def group_blocks(group: SequenceGroup, block_size: int, share_blocks: bool = Tru
 class Scheduler:
     """Queues and decisions. ``accounting`` is a ``PagedAccounting`` or ``StaticAccounting``."""
 
-    def __init__(self, config: SchedulerConfig, runner: ModelRunner, accounting, *, swapping: bool):
+    def __init__(self, config: SchedulerConfig, runner: ModelRunner, accounting, *, swapping: bool,
+                 prefix_cache: PrefixCache | None = None):
         self.config = config
+        self.prefix_cache = prefix_cache
         self.runner = runner
         self.accounting = accounting
         self.swapping = swapping
@@ -148,19 +168,25 @@ class Scheduler:
         cfg = self.config
         plan = StepPlan(release=self._to_release)
         self._to_release = []
-        base = self.runner.view.released(plan.release)
+        base = self.runner.view
+        if self.prefix_cache is not None:
+            plan.mark = self.prefix_cache.take_marks()
+            base = base.marked(plan.mark)
+            self.prefix_cache.released(base, plan.release)
+        base = base.released(plan.release)
         swapped_out: list[SequenceGroup] = []
         budget = cfg.max_num_batched_tokens
         preempted = False
         while True:
             view, prep, work = self._plan_running(base, budget)
             need = int(view.blocks_needed([s.slot for s, _ in work], [n for _, n in work]).sum())
-            if need <= view.num_free:
+            if need <= view.num_available:
                 break
             base = self._preempt(self._pick_victim(base), plan, base, swapped_out)
             preempted = True
         self._commit(prep, plan)
-        free = view.num_free - need
+        free = view.num_available - need
+        allocations = need  # blocks this step's swap-ins and appends take from the pool
         budget -= sum(n for _, n in work)
         # Kept free for the running sequences' growth over the next steps (paged only:
         # static reservations already cover growth).
@@ -188,20 +214,42 @@ class Scheduler:
                 view = returning
                 work += items
                 free -= held + grow
+                allocations += grow
                 budget -= sum(n for _, n in items)
 
         if not preempted and not self.swapped:
+            cache = self.prefix_cache
+            if cache is not None:
+                cache.begin_step()
             while self.waiting and budget >= 1 and self._rows_for(self.waiting[0]):
                 group = self.waiting[0]
                 blocks = group_blocks(group, cfg.block_size, cfg.share_blocks)
-                if not self.accounting.can_admit(blocks, free - reserve, bool(self.running), len(group.live)):
+                hits = [] if cache is None else cache.lookup(group, group.live[0])
+                if cache is not None and cache.should_wait(group, group.live[0], hits):
+                    break
+                # A hit on a block some row holds costs nothing; one on a cached-free
+                # block takes it out of the free count like a new block.
+                charge = blocks - int(np.isin(hits, view.named_blocks()).sum()) if hits else blocks
+                if not self.accounting.can_admit(charge, free - reserve, bool(self.running), len(group.live)):
                     break
                 self.waiting.popleft()
-                for seq, n in self._admit(group, plan, budget):
+                if cache is not None:
+                    cache.use(hits, group.live[0].num_tokens)
+                opened = len(plan.open)
+                admitted = self._admit(group, plan, budget, hits)
+                if cache is not None:  # the view must know every hit and this step's allocations
+                    if admitted:
+                        cache.will_compute(group, admitted[0][0], hits, admitted[0][0].num_computed + admitted[0][1])
+                    view = view.opened(plan.open[opened:], _padded(plan.prefix[opened:], len(plan.open) - opened))
+                    allocations += int(view.blocks_needed([s.slot for s, _ in admitted],
+                                                          [n for _, n in admitted]).sum())
+                for seq, n in admitted:
                     work.append((seq, n))
                     budget -= n
                 # Charge the whole request now: its later chunks must not be promised away.
-                free -= blocks
+                free -= charge
+        if self.prefix_cache is not None:
+            plan.evict = self.prefix_cache.evict(view, allocations - view.num_free)
         plan.work = [self._work(s, n) for s, n in work]
         return ScheduledStep(plan, [s for s, _ in work], swapped_out)
 
@@ -320,10 +368,14 @@ class Scheduler:
         return list(self._to_release)
 
     def pending_release(self) -> StepPlan | None:
-        """A plan that only releases the rows finished in the last step (None if none)."""
-        if not self._to_release:
+        """A plan that only releases the rows finished in the last step, after marking the
+        blocks it filled cached (None if there is neither)."""
+        marks = [] if self.prefix_cache is None else self.prefix_cache.take_marks()
+        if not (self._to_release or marks):
             return None
-        plan = StepPlan(release=self._to_release)
+        if self.prefix_cache is not None:
+            self.prefix_cache.released(self.runner.view, self._to_release)
+        plan = StepPlan(release=self._to_release, mark=marks)
         self._to_release = []
         return plan
 
@@ -334,22 +386,26 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission
 
-    def _admit(self, group: SequenceGroup, plan: StepPlan, budget: int) -> list[tuple[Sequence, int]]:
+    def _admit(self, group: SequenceGroup, plan: StepPlan, budget: int, hits: list[int] = ()) -> list[tuple[Sequence, int]]:
         """Reserve a row per member and open the leader's (every member's, when there is no
-        shared prefix to wait for); returns the leader's first chunk."""
+        shared prefix to wait for), the leader's on the cached blocks ``hits``; returns
+        the leader's first chunk."""
         members = group.live
         for seq in members:
             seq.slot = self._free_slots.pop()
         opened = members if (group.forks_members() and group.shared_prefix == 0) else members[:1]
-        for seq in opened:
+        for i, seq in enumerate(opened):
             plan.open.append(seq.slot)
+            if self.prefix_cache is not None:
+                plan.prefix.append(list(hits) if i == 0 else [])
             seq.row_live = True
+        opened[0].num_computed = len(hits) * self.config.block_size
         self._start(group)
         work = []
         for seq in opened:
             todo = seq.num_pending
             if len(opened) < len(members) and group.forks_members():
-                todo = min(todo, group.shared_prefix)
+                todo = min(todo, group.shared_prefix - seq.num_computed)
             n = min(todo, budget)
             if n >= 1:
                 work.append((seq, n))
@@ -378,6 +434,8 @@ class Scheduler:
         members = group.live
         rows = [s.slot for s in members if s.row_live]
         self.accounting.on_release(len(members))
+        if self.prefix_cache is not None:
+            self.prefix_cache.released(view, rows)
         if self.config.preemption_mode == "swap":
             blocks = view.blocks_held(rows)
             planned = sum(view.blocks_held(r) for r in plan.swap_out)

@@ -99,6 +99,10 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def token_ids(self) -> list[int]:
+        """Prompt plus output tokens so far."""
+        return [*self.prompt_token_ids, *self.output_token_ids]
+
     def pending_token_ids(self, n: int) -> list[int]:
         """The next ``n`` tokens to feed the model (the first ``n`` pending ones)."""
         assert 0 < n <= self.num_pending, (n, self.num_pending)
@@ -139,6 +143,7 @@ class SequenceGroup:
     pending_select: list[int] | None = None
     eos: tuple[int, ...] = ()  # beam search: the ids that end a hypothesis
     rejected: str | None = None  # why it can never run (it never reaches the scheduler)
+    cache_salt: str | None = None  # prefix caching: blocks are shared only within one salt
 
     def __post_init__(self):
         for seq in self.seqs:

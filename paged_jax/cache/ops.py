@@ -351,21 +351,15 @@ def open_sequences(
             active=state.active.at[rows].set(True, mode="drop"),
             seq_lens=state.seq_lens.at[rows].set(0, mode="drop"),
         ), status
-    k = prefix_blocks.shape[1]
-    if k > state.max_blocks_per_seq:
-        raise ValueError(
-            f"open_sequences: prefix_blocks has shape {tuple(prefix_blocks.shape)}; its width must be at "
-            f"most max_blocks_per_seq={state.max_blocks_per_seq}"
-        )
+    k = _table_width(state, "open_sequences", "prefix_blocks", prefix_blocks)
     n = state.num_blocks
     named = prefix_blocks != NO_BLOCK
     count = named.sum(axis=1)
     in_order = jnp.arange(k)[None, :] < count[:, None]  # the named entries come first
     in_range = (prefix_blocks >= 0) & (prefix_blocks < n)
     cached = state.cached[jnp.clip(prefix_blocks, 0, n - 1)]
-    keyed = jnp.sort(jnp.where(named, prefix_blocks, -1 - jnp.arange(k)[None, :]), axis=1)
     row_bad = (jnp.any(named & ~(in_range & cached), axis=1) | jnp.any(named != in_order, axis=1)
-               | jnp.any(keyed[:, 1:] == keyed[:, :-1], axis=1))
+               | _repeats(prefix_blocks, named))
     status = _first(status, Status.BAD_TABLE, real & row_bad)
     apply = jnp.all(status == Status.OK)
     do = real & apply
@@ -380,6 +374,25 @@ def open_sequences(
         seq_lens=state.seq_lens.at[rows].set(count * state.block_size, mode="drop"),
         ref_counts=ref_counts,
     ), status
+
+
+def _table_width(state: CacheState, op: str, name: str, table) -> int:
+    """A block-table argument's width, at most max_blocks_per_seq (else ValueError)."""
+    if table.shape[1] > state.max_blocks_per_seq:
+        raise ValueError(
+            f"{op}: {name} has shape {tuple(table.shape)}; its width must be at most "
+            f"max_blocks_per_seq={state.max_blocks_per_seq}"
+        )
+    return table.shape[1]
+
+
+def _repeats(tables: jax.Array, named: jax.Array) -> jax.Array:
+    """bool[B]: a row names one block twice among its ``named`` entries (it would hold
+    it twice). Each row's named entries are sorted (the others get distinct negative
+    keys) and neighbours compared: O(B x P log P)."""
+    cols = jnp.arange(tables.shape[1], dtype=jnp.int32)
+    keyed = jnp.sort(jnp.where(named, tables, -1 - cols[None, :]), axis=1)
+    return jnp.any(keyed[:, 1:] == keyed[:, :-1], axis=1)
 
 
 def _block_status(state: CacheState, block_ids: jax.Array, ok: Callable) -> tuple[jax.Array, jax.Array]:
@@ -732,12 +745,7 @@ def restore_rows(
         ("num_local", num_local, 0),
     )
     m = _static_int(op, "max_local", max_local, 1)
-    p = local_tables.shape[1]
-    if p > state.max_blocks_per_seq:
-        raise ValueError(
-            f"{op}: local_tables has shape {tuple(local_tables.shape)}; its width must be at most "
-            f"max_blocks_per_seq={state.max_blocks_per_seq}"
-        )
+    p = _table_width(state, op, "local_tables", local_tables)
     bs = state.block_size
     status, real, safe = _id_status(state, seq_ids, want_active=False, unique=True)
     status = _first(status, Status.BAD_NUM_TOKENS, real & ((seq_lens < 0) | (seq_lens > p * bs)))
@@ -747,10 +755,7 @@ def restore_rows(
     held = cols[None, :] < need[:, None]  # [B, P]
     named = (local_tables >= 0) & (local_tables < num_local)
     row_bad = jnp.any(held & ~named, axis=1) | jnp.any(~held & (local_tables != NO_BLOCK), axis=1)
-    # A row naming one block twice would hold it twice: sort each row's named entries
-    # (the others get distinct negative keys) and compare neighbours.
-    keyed = jnp.sort(jnp.where(held & named, local_tables, -1 - cols[None, :]), axis=1)
-    row_bad = row_bad | jnp.any(keyed[:, 1:] == keyed[:, :-1], axis=1)
+    row_bad = row_bad | _repeats(local_tables, held & named)
     status = _first(status, Status.BAD_TABLE, real & row_bad)
 
     local = jnp.arange(m, dtype=jnp.int32)

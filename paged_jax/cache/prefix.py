@@ -75,10 +75,11 @@ def get_hash(name: str | HashFunction) -> HashFunction:
 
 
 def block_keys(tokens: Sequence[int], block_size: int, *, salt: str | None = None,
-               hash_fn: str | HashFunction = "sha256") -> list:
-    """The chained key of every full block of ``tokens`` (a partial last block has none)."""
+               hash_fn: str | HashFunction = "sha256", parent=None) -> list:
+    """The chained key of every full block of ``tokens`` (a partial last block has none);
+    ``parent``: the key of the block before ``tokens[0]`` (None: they start a sequence)."""
     fn = get_hash(hash_fn).fn
-    keys, parent = [], None
+    keys = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
         parent = fn(parent, salt, tuple(map(int, tokens[start: start + block_size])))
         keys.append(parent)

@@ -29,7 +29,7 @@ import dataclasses
 
 import numpy as np
 
-from paged_jax.cache import HostView, PrefixIndex
+from paged_jax.cache import HostView, PrefixIndex, block_keys
 from paged_jax.engine.sequence import Sequence, SequenceGroup
 
 
@@ -96,13 +96,9 @@ class PrefixCache:
     def _keys_after(self, hits: list[int], tokens: list[int], salt) -> list:
         """The chained keys of ``tokens``' full blocks past the cached ``hits`` (the chain
         resumes from the last hit's own key)."""
-        bs = self.block_size
-        key = self.index.entries[hits[-1]].key if hits else None
-        keys = []
-        for start in range(len(hits) * bs, len(tokens) - bs + 1, bs):
-            key = self.index.hash.fn(key, salt, tuple(tokens[start: start + bs]))
-            keys.append(key)
-        return keys
+        parent = self.index.entries[hits[-1]].key if hits else None
+        return block_keys(tokens[len(hits) * self.block_size:], self.block_size, salt=salt,
+                          hash_fn=self.index.hash, parent=parent)
 
     def will_compute(self, group: SequenceGroup, seq: Sequence, hits: list[int], num_tokens: int) -> None:
         """An admitted leader, opened on ``hits``, will hold its first ``num_tokens``

@@ -25,5 +25,5 @@ def register() -> str:
     """Register ``no_attention`` as the attention impl "none"; returns that name."""
     from paged_jax.attention import dispatch
 
-    dispatch.register_impl(NO_ATTENTION, no_attention)
+    dispatch.register_impl(NO_ATTENTION, no_attention, reads_quantized=True)  # reads nothing
     return NO_ATTENTION

@@ -21,7 +21,10 @@
    sweep is batch {1, 8, 64, 256} x context {512, 4096, 32768} at block size 16, then
    block sizes {8, 32, 64, 128} at a few (batch, context) points, in priority order under
    a wall-clock budget; configs that do not fit memory or time are listed as skipped.
-4. A table (us, GB/s of KV bytes read, % of copy bandwidth, speedup vs shipped,
+4. Quantised pages: the decode kernel over int8 / int8_channel / fp8_e4m3 pages (scales
+   loaded with each tile) vs the oracle on the same pages, and its time vs bf16 pages
+   (batch 64, context 4096).
+5. A table (us, GB/s of KV bytes read, % of copy bandwidth, speedup vs shipped,
    paged/contiguous) and DIR/kernel_bench.json with a "headline" object.
 
 ``--quick`` (and any run without a GPU) runs a tiny interpret-mode smoke of the same code
@@ -52,7 +55,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from paged_jax.attention import reference  # noqa: E402
-from paged_jax.kv import KVPages  # noqa: E402
+from paged_jax.kv import KVPages, quant  # noqa: E402
 from pallas_kernels import (  # noqa: E402
     default_blocks_per_step,
     default_num_splits,
@@ -327,6 +330,37 @@ def check_correctness(env: Env, shape: Shape, quick: bool) -> list[dict]:
     return results
 
 
+@jax.jit
+def oracle_decode_quantized(q, pages: KVPages, tables, lengths):
+    """The oracle over quantised pages (values x scales, fp32 softmax): q [b, Hq, D]."""
+    q_lens = (lengths > 0).astype(jnp.int32)
+    return reference.paged_attention(q[:, None], pages, tables, lengths, q_lens)[:, 0]
+
+
+def quantized_decode(env: Env, shape: Shape) -> list[dict]:
+    """The decode kernel over int8 / int8_channel / fp8_e4m3 pages (bf16 scales, loaded
+    with each tile) vs the oracle on the same pages, and its time vs bf16 pages."""
+    args = make_inputs(jax.random.PRNGKey(2), shape)
+    q, kp, vp, bt, ln = args
+    cfg = our_candidates(shape, env, tune=False)[0]
+    base = functools.partial(paged_attention_decode, interpret=env.interpret, **cfg)
+    t_bf16 = time_fn(jax.jit(base), *args, target_s=env.target_s, reps=env.reps)
+    rows = []
+    for name in quant.QUANTIZED_KV_CACHE_DTYPES:
+        fmt = quant.kv_format(name)
+        (k, ks), (v, vs) = quant.quantize_blocks(fmt, kp), quant.quantize_blocks(fmt, vp)
+        pages = KVPages(k, v, ks, vs, kv_format=name)
+        run = jax.jit(lambda q, k, v, ks, vs, bt, ln, pc=fmt.per_channel: base(
+            q, k, v, bt, ln, k_scales=ks, v_scales=vs, per_channel_scales=pc))
+        out = run(q, k, v, ks, vs, bt, ln)
+        err = max_rel_err(out, oracle_decode_quantized(q, pages, bt, ln))
+        t = time_fn(run, q, k, v, ks, vs, bt, ln, target_s=env.target_s, reps=env.reps)
+        rows.append(dict(format=name, err=err, tol=2e-2, ok=bool(err <= 2e-2), us=t * 1e6,
+                         over_bf16=t / t_bf16, kv_bytes_over_bf16=sum(x.nbytes for x in (k, v, ks, vs)) /
+                         (kp.nbytes + vp.nbytes)))
+    return rows
+
+
 def report_backends(env: Env, shape: Shape) -> dict:
     """The Pallas backend each kernel compiles to on this device (see ``pallas_backend``)."""
     args = make_inputs(jax.random.PRNGKey(2), shape)
@@ -589,6 +623,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['ours_us']:.1f} us ({row['pct_copy_bw']:.0f}% copy bw)  [{time.perf_counter() - start:.0f} s]"
         )
 
+    quantized = quantized_decode(env, shapes[0] if quick else Shape(64, 4096, 16))
+    for r in quantized:
+        print(f"  [{'ok' if r['ok'] else 'FAIL'}] decode over {r['format']} pages: err {r['err']:.2e}, "
+              f"{r['us']:.1f} us = {r['over_bf16']:.2f}x bf16 pages, KV bytes {r['kv_bytes_over_bf16']:.2f}x")
+    all_ok = all_ok and all(r["ok"] for r in quantized)
+
     print()
     print(format_table(rows))
     for s in skipped:
@@ -612,6 +652,7 @@ def main(argv: list[str] | None = None) -> int:
             num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype=jnp.dtype(DTYPE).name
         ),
         rows=rows,
+        quantized=quantized,
         skipped=skipped,
         wall_s=time.perf_counter() - start,
     )

@@ -147,8 +147,11 @@ def make_step_fns(
     )
 
 
-def init_pages_for(model_config: ModelConfig, cache_config: CacheConfig, dtype: Any = None) -> KVPages:
-    """Zero KV pages shaped for the model and the pool (dtype defaults to the model's)."""
+def init_pages_for(
+    model_config: ModelConfig, cache_config: CacheConfig, dtype: Any = None, kv_cache_dtype: str = "auto"
+) -> KVPages:
+    """Zero KV pages shaped for the model and the pool (dtype defaults to the model's;
+    ``kv_cache_dtype`` a ``kv.quant`` format)."""
     return init_pages(
         model_config.num_layers,
         model_config.num_kv_heads,
@@ -156,6 +159,7 @@ def init_pages_for(model_config: ModelConfig, cache_config: CacheConfig, dtype: 
         cache_config.block_size,
         model_config.head_dim,
         model_config.jnp_dtype if dtype is None else dtype,
+        kv_cache_dtype,
     )
 
 

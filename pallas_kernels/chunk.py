@@ -46,13 +46,16 @@ from pallas_kernels.common import (
     combine_splits,
     finalize,
     flat_pages,
+    flat_scales,
     init_carry,
     is_pow2,
+    load_kv,
     next_pow2,
     online_softmax_step,
     page_shape,
     prepare_table,
     split_range,
+    split_refs,
     whole_spec,
 )
 
@@ -68,10 +71,13 @@ def paged_attention_chunk_kernel(
     q_ref,  # [block_rows, head_dim]: rows r = t * group + g of this row block
     k_pages_ref,  # [num_layers * num_kv_heads * num_blocks, block_size, head_dim]: every K block
     v_pages_ref,  # [num_layers * num_kv_heads * num_blocks, block_size, head_dim]: every V block
-    # outputs
-    o_ref: Any,  # [block_rows, head_dim]: q dtype (one split) or f32 unnormalised
-    *stat_refs: Any,  # splits > 1: m_ref [block_rows] f32, l_ref [block_rows] f32
+    *refs: Any,  # quantised: k_scale_ref, v_scale_ref (flat like the pages); then the outputs:
+    # o_ref  # [block_rows, head_dim]: q dtype (one split) or f32 unnormalised
+    # [block_rows, head_dim]: q dtype (one split) or f32 unnormalised; splits > 1:
+    # m_ref [block_rows] f32, l_ref [block_rows] f32
     scale: float,
+    quantized: bool,
+    per_channel: bool,
     group: int,
     num_kv_heads: int,
     num_blocks: int,
@@ -79,6 +85,7 @@ def paged_attention_chunk_kernel(
     num_splits: int,
     mask_value: float,
 ):
+    k_scale_ref, v_scale_ref, (o_ref, *stat_refs) = split_refs(refs, quantized)
     head = pl.program_id(1)
     row_block = pl.program_id(2)
     split = pl.program_id(3)
@@ -106,8 +113,8 @@ def paged_attention_chunk_kernel(
     def body(i, carry):
         step = first_step + i
         ids = block_ids(block_tables_ref, step, blocks_per_step, layer, head, num_kv_heads, num_blocks)
-        k = k_pages_ref[ids].reshape(block_k, head_dim)
-        v = v_pages_ref[ids].reshape(block_k, head_dim)
+        k = load_kv(k_pages_ref, k_scale_ref, ids, block_k, head_dim, q.dtype, per_channel)
+        v = load_kv(v_pages_ref, v_scale_ref, ids, block_k, head_dim, q.dtype, per_channel)
         kv_pos = step * block_k + jnp.arange(block_k, dtype=jnp.int32)
         mask = (kv_pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
         return online_softmax_step(
@@ -129,6 +136,7 @@ def paged_attention_chunk_grid(
     q: jax.Array,  # [batch, num_kv_heads, padded_rows, head_dim], rows r = t * group + g
     k_pages: jax.Array,  # [num_layers * num_kv_heads * num_blocks, block_size, head_dim]
     v_pages: jax.Array,  # same shape as k_pages
+    scales: tuple[jax.Array, jax.Array] | None,  # (k, v) [L * Hkv * N, bs or D], or None
     layer: jax.Array,  # int32[1]
     block_tables: jax.Array,  # int32[batch, padded_blocks_per_seq]
     lengths: jax.Array,  # int32[batch]
@@ -144,6 +152,7 @@ def paged_attention_chunk_grid(
     num_stages: int,
     interpret: bool,
     mask_value: float,
+    per_channel: bool = False,
 ) -> jax.Array:
     """Builds the (batch, kv_head, row_block, split) grid; returns q-shaped output."""
     batch, num_kv_heads, padded_rows, head_dim = q.shape
@@ -161,6 +170,8 @@ def paged_attention_chunk_grid(
         blocks_per_step=blocks_per_step,
         num_splits=num_splits,
         mask_value=mask_value,
+        quantized=scales is not None,
+        per_channel=per_channel,
     )
     in_specs = [
         pl.BlockSpec((1,), lambda b, h, r, j: (b,)),  # lengths
@@ -171,6 +182,8 @@ def paged_attention_chunk_grid(
         whole_spec(k_pages.shape),  # k_pages: the kernel computes block indices itself
         whole_spec(v_pages.shape),  # v_pages
     ]
+    scale_operands = () if scales is None else tuple(scales)
+    in_specs += [whole_spec(x.shape) for x in scale_operands]  # scales, indexed like the pages
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
         out_specs = pl.BlockSpec((s, s, block_rows, head_dim), lambda b, h, r, j: (b, h, r, 0))
@@ -195,7 +208,7 @@ def paged_attention_chunk_grid(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"paged_attention_chunk_br{block_rows}_bk{blocks_per_step * block_size}_s{num_splits}",
-    )(lengths, q_lens, layer, block_tables, q, k_pages, v_pages)
+    )(lengths, q_lens, layer, block_tables, q, k_pages, v_pages, *scale_operands)
     if num_splits == 1:
         return out
     return combine_splits(*out).astype(q.dtype)
@@ -232,6 +245,7 @@ def _from_rows_layout(o: jax.Array, chunk: int, group: int) -> jax.Array:
         "num_stages",
         "interpret",
         "mask_value",
+        "per_channel_scales",
     ],
 )
 def _paged_attention_chunk(
@@ -242,6 +256,8 @@ def _paged_attention_chunk(
     lengths,
     q_lens,
     layer,
+    k_scales,
+    v_scales,
     *,
     scale,
     block_rows,
@@ -251,6 +267,7 @@ def _paged_attention_chunk(
     num_stages,
     interpret,
     mask_value,
+    per_channel_scales,
 ):
     """``paged_attention_chunk`` after validation (``layer``: None, int or int32 scalar)."""
     batch, chunk, num_q_heads, head_dim = q.shape
@@ -267,10 +284,12 @@ def _paged_attention_chunk(
         q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
     k_flat, layer_index = flat_pages(k_pages, layer)
     v_flat, _ = flat_pages(v_pages, layer)
+    scales = None if k_scales is None else (flat_scales(k_scales), flat_scales(v_scales))
     o = paged_attention_chunk_grid(
         q_rows,
         k_flat,
         v_flat,
+        scales,
         layer_index,
         block_tables,
         lengths,
@@ -285,6 +304,7 @@ def _paged_attention_chunk(
         num_stages=num_stages,
         interpret=interpret,
         mask_value=mask_value,
+        per_channel=per_channel_scales,
     )
     return _from_rows_layout(o, chunk, group)
 
@@ -299,6 +319,9 @@ def paged_attention_chunk(
     *,
     layer: int | jax.Array | None = None,
     scale: float | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    per_channel_scales: bool = False,
     block_rows: int | None = None,
     blocks_per_step: int | None = None,
     num_splits: int = 1,
@@ -327,6 +350,9 @@ def paged_attention_chunk(
         integer scalar array (traced; clamped into range), read in place as in
         ``paged_attention_decode``.
       scale: softmax scale (a Python float); default head_dim ** -0.5.
+      k_scales, v_scales: for int8 / float8_e4m3fn pages, their scales: the pages' leading
+        axes then [block_size] (per token) or [head_dim] (``per_channel_scales``);
+        loaded with each tile and multiplied in f32. None for float pages.
       block_rows: (query, q head) rows per program, a power of two in [16, 128]; default
         all chunk * group rows up to 64.  Each row block re-reads the KV it needs.
       blocks_per_step: physical blocks per loop step, as in ``paged_attention_decode``.
@@ -359,6 +385,9 @@ def paged_attention_chunk(
         num_warps,
         num_stages,
         layer,
+        k_scales,
+        v_scales,
+        per_channel_scales,
     )
     if q_lens.shape != (batch,) or q_lens.dtype != jnp.int32:
         raise ValueError(f"q_lens must be int32[{batch}], got {q_lens.dtype}{list(q_lens.shape)}")
@@ -376,6 +405,8 @@ def paged_attention_chunk(
         lengths,
         q_lens,
         layer,
+        k_scales,
+        v_scales,
         scale=float(head_dim**-0.5 if scale is None else scale),
         block_rows=block_rows,
         blocks_per_step=blocks_per_step,
@@ -384,4 +415,5 @@ def paged_attention_chunk(
         num_stages=num_stages,
         interpret=interpret,
         mask_value=mask_value,
+        per_channel_scales=per_channel_scales,
     )

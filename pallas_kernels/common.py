@@ -30,6 +30,8 @@ LOG2E = math.log2(math.e)
 # loop step must both be at least this large.
 MIN_DOT_DIM = 16
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Quantised page values (read with their scales, dequantised per loaded tile).
+QUANTIZED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
 MAX_GROUP = 64  # q heads per kv head; the [group, head_dim] f32 accumulator lives in registers
@@ -89,6 +91,29 @@ def online_softmax_step(
     l_next = l_prev * correction + p.sum(axis=-1)
     o_next = o_prev * correction[:, None] + _dot(p.astype(v.dtype), v)
     return o_next, m_next, l_next
+
+
+def load_kv(pages_ref, scales_ref, ids: jax.Array, block_k: int, head_dim: int, dtype, per_channel: bool) -> jax.Array:
+    """The ``[block_k, head_dim]`` tile of blocks ``ids``, dequantised when the pages are
+    (``scales_ref`` not None: ``[.., bs]`` per token or ``[.., D]`` per channel, bf16
+    values or their uint16 bits, loaded for the same blocks and multiplied in f32), in
+    ``dtype`` for the dot."""
+    tile = pages_ref[ids]  # [blocks_per_step, bs, D]
+    if scales_ref is not None:
+        scales = scales_ref[ids]  # [blocks_per_step, bs] or [blocks_per_step, D]
+        if scales.dtype == jnp.uint16:  # bfloat16 scales stored as their bits
+            scales = lax.bitcast_convert_type(scales, jnp.bfloat16)
+        scales = scales.astype(jnp.float32)
+        scales = scales[:, None, :] if per_channel else scales[:, :, None]
+        tile = (tile.astype(jnp.float32) * scales).astype(dtype)
+    return tile.reshape(block_k, head_dim)
+
+
+def split_refs(refs, quantized: bool):
+    """(k_scale_ref, v_scale_ref, outputs...) from a kernel's trailing refs."""
+    if quantized:
+        return refs[0], refs[1], refs[2:]
+    return None, None, refs
 
 
 def init_carry(rows: int, head_dim: int, mask_value: float):
@@ -236,6 +261,9 @@ def check_common(
     num_warps: int,
     num_stages: int,
     layer,
+    k_scales=None,
+    v_scales=None,
+    per_channel_scales: bool = False,
 ) -> tuple[int, int, int | jax.Array | None]:
     """Validates what both kernels share; returns (group, blocks_per_step, layer)."""
     layer = check_layer(k_pages, layer)
@@ -250,9 +278,9 @@ def check_common(
     num_kv_heads, _, block_size, head_dim_k = page_shape(k_pages.shape)
     if head_dim_k != head_dim:
         raise ValueError(f"head_dim of q ({head_dim}) and of the pages ({head_dim_k}) differ")
-    for name, dt in (("q", q_dtype), ("k_pages", k_pages.dtype)):
-        if jnp.dtype(dt) not in SUPPORTED_DTYPES:
-            raise ValueError(f"{name} dtype {dt} is not supported; use float32, bfloat16 or float16")
+    if jnp.dtype(q_dtype) not in SUPPORTED_DTYPES:
+        raise ValueError(f"q dtype {q_dtype} is not supported; use float32, bfloat16 or float16")
+    check_scales(k_pages, k_scales, v_scales, per_channel_scales)
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim={head_dim} is not supported; use one of {SUPPORTED_HEAD_DIMS}")
     if block_size not in SUPPORTED_BLOCK_SIZES:
@@ -287,6 +315,43 @@ def check_common(
     if num_stages < 1:
         raise ValueError(f"num_stages={num_stages} must be >= 1")
     return group, blocks_per_step, layer
+
+
+def check_scales(k_pages, k_scales, v_scales, per_channel: bool) -> None:
+    """Float pages take no scales; int8 / float8 pages need both, shaped per token
+    ``[.., N, bs]`` or, with ``per_channel``, ``[.., N, D]``. On a GPU, float8 needs
+    compute capability 8.9 (Ada / Hopper) for Triton to load it."""
+    dtype = jnp.dtype(k_pages.dtype)
+    if dtype in SUPPORTED_DTYPES:
+        if k_scales is not None or v_scales is not None:
+            raise ValueError(f"k_pages of dtype {dtype} are not quantised: pass no scales")
+        return
+    if dtype not in QUANTIZED_DTYPES:
+        raise ValueError(
+            f"k_pages dtype {dtype} is not supported; use float32, bfloat16, float16, or int8 / "
+            "float8_e4m3fn with scales"
+        )
+    if k_scales is None or v_scales is None:
+        raise ValueError(f"quantised k_pages ({dtype}) need k_scales and v_scales")
+    *lead, bs, d = k_pages.shape
+    want = (*lead, d) if per_channel else (*lead, bs)
+    if tuple(k_scales.shape) != want or tuple(v_scales.shape) != want:
+        raise ValueError(
+            f"scales {k_scales.shape} / {v_scales.shape} do not fit pages {k_pages.shape}: want {want} "
+            f"({'per channel' if per_channel else 'per token'})"
+        )
+    if dtype == jnp.dtype(jnp.float8_e4m3fn) and jax.default_backend() == "gpu":
+        cc = getattr(jax.devices()[0], "compute_capability", None)
+        if cc is not None and tuple(int(x) for x in str(cc).split(".")) < (8, 9):
+            raise ValueError(
+                f"pallas kernels cannot read kv_cache_dtype fp8_e4m3 on this GPU (compute capability {cc} "
+                "< 8.9); use attention_impl='xla' or kv_cache_dtype='int8'"
+            )
+
+
+def flat_scales(scales: jax.Array | None) -> jax.Array | None:
+    """Scale leaves ``[(L,) Hkv, N, F]`` as ``[L * Hkv * N, F]``, indexed like the flat pages."""
+    return None if scales is None else scales.reshape(-1, scales.shape[-1])
 
 
 # ----------------------------------------------------------------------- page operands

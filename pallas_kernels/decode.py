@@ -56,12 +56,15 @@ from pallas_kernels.common import (
     combine_splits,
     finalize,
     flat_pages,
+    flat_scales,
     init_carry,
+    load_kv,
     next_pow2,
     online_softmax_step,
     page_shape,
     prepare_table,
     split_range,
+    split_refs,
     whole_spec,
 )
 
@@ -74,16 +77,20 @@ def paged_attention_decode_kernel(
     q_ref,  # [block_h, head_dim]: the q heads of one kv head, zero-padded rows
     k_pages_ref,  # [num_layers * num_kv_heads * num_blocks, block_size, head_dim]: every K block
     v_pages_ref,  # [num_layers * num_kv_heads * num_blocks, block_size, head_dim]: every V block
-    # outputs
-    o_ref: Any,  # [block_h, head_dim]: q dtype (one split) or f32 unnormalised (splits)
-    *stat_refs: Any,  # splits > 1: m_ref [block_h] f32, l_ref [block_h] f32
+    *refs: Any,  # quantised: k_scale_ref, v_scale_ref (flat like the pages); then the outputs:
+    # o_ref  # [block_h, head_dim]: q dtype (one split) or f32 unnormalised (splits)
+    # [block_h, head_dim]: q dtype (one split) or f32 unnormalised (splits); splits > 1:
+    # m_ref [block_h] f32, l_ref [block_h] f32
     scale: float,
+    quantized: bool,
+    per_channel: bool,
     num_kv_heads: int,
     num_blocks: int,
     blocks_per_step: int,
     num_splits: int,
     mask_value: float,
 ):
+    k_scale_ref, v_scale_ref, (o_ref, *stat_refs) = split_refs(refs, quantized)
     head = pl.program_id(1)
     split = pl.program_id(2)
     block_h, head_dim = q_ref.shape
@@ -99,8 +106,8 @@ def paged_attention_decode_kernel(
     def body(i, carry):
         step = first_step + i
         ids = block_ids(block_tables_ref, step, blocks_per_step, layer, head, num_kv_heads, num_blocks)
-        k = k_pages_ref[ids].reshape(block_k, head_dim)
-        v = v_pages_ref[ids].reshape(block_k, head_dim)
+        k = load_kv(k_pages_ref, k_scale_ref, ids, block_k, head_dim, q.dtype, per_channel)
+        v = load_kv(v_pages_ref, v_scale_ref, ids, block_k, head_dim, q.dtype, per_channel)
         kv_valid = step * block_k + jnp.arange(block_k, dtype=jnp.int32) < length
         return online_softmax_step(
             q, k, v, kv_valid[None, :], kv_valid, carry, qk_scale=scale * LOG2E, mask_value=mask_value
@@ -121,6 +128,7 @@ def paged_attention_decode_grid(
     q: jax.Array,  # [batch, num_kv_heads, block_h, head_dim], group rows zero-padded
     k_pages: jax.Array,  # [num_layers * num_kv_heads * num_blocks, block_size, head_dim]
     v_pages: jax.Array,  # same shape as k_pages
+    scales: tuple[jax.Array, jax.Array] | None,  # (k, v) [L * Hkv * N, bs or D], or None
     layer: jax.Array,  # int32[1]
     block_tables: jax.Array,  # int32[batch, padded_blocks_per_seq]
     lengths: jax.Array,  # int32[batch]
@@ -133,6 +141,7 @@ def paged_attention_decode_grid(
     num_stages: int,
     interpret: bool,
     mask_value: float,
+    per_channel: bool = False,
 ) -> jax.Array:
     """Builds the (batch, kv_head, split) grid; returns [batch, num_kv_heads, block_h, head_dim]."""
     batch, num_kv_heads, block_h, head_dim = q.shape
@@ -148,6 +157,8 @@ def paged_attention_decode_grid(
         blocks_per_step=blocks_per_step,
         num_splits=num_splits,
         mask_value=mask_value,
+        quantized=scales is not None,
+        per_channel=per_channel,
     )
     in_specs = [
         pl.BlockSpec((1,), lambda b, h, j: (b,)),  # lengths
@@ -157,6 +168,8 @@ def paged_attention_decode_grid(
         whole_spec(k_pages.shape),  # k_pages: the kernel computes block indices itself
         whole_spec(v_pages.shape),  # v_pages
     ]
+    scale_operands = () if scales is None else tuple(scales)
+    in_specs += [whole_spec(x.shape) for x in scale_operands]  # scales, indexed like the pages
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
         out_specs = pl.BlockSpec((s, s, block_h, head_dim), lambda b, h, j: (b, h, 0, 0))
@@ -181,7 +194,7 @@ def paged_attention_decode_grid(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"paged_attention_decode_bh{block_h}_bk{blocks_per_step * block_size}_s{num_splits}",
-    )(lengths, layer, block_tables, q, k_pages, v_pages)
+    )(lengths, layer, block_tables, q, k_pages, v_pages, *scale_operands)
     if num_splits == 1:
         return out
     return combine_splits(*out).astype(q.dtype)
@@ -197,6 +210,7 @@ def paged_attention_decode_grid(
         "num_stages",
         "interpret",
         "mask_value",
+        "per_channel_scales",
     ],
 )
 def _paged_attention_decode(
@@ -206,6 +220,8 @@ def _paged_attention_decode(
     block_tables,
     lengths,
     layer,
+    k_scales,
+    v_scales,
     *,
     scale,
     blocks_per_step,
@@ -214,6 +230,7 @@ def _paged_attention_decode(
     num_stages,
     interpret,
     mask_value,
+    per_channel_scales,
 ):
     """``paged_attention_decode`` after validation (``layer``: None, int or int32 scalar)."""
     batch, num_q_heads, head_dim = q.shape
@@ -227,10 +244,12 @@ def _paged_attention_decode(
         q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))
     k_flat, layer_index = flat_pages(k_pages, layer)
     v_flat, _ = flat_pages(v_pages, layer)
+    scales = None if k_scales is None else (flat_scales(k_scales), flat_scales(v_scales))
     o = paged_attention_decode_grid(
         q4,
         k_flat,
         v_flat,
+        scales,
         layer_index,
         block_tables,
         lengths,
@@ -242,6 +261,7 @@ def _paged_attention_decode(
         num_stages=num_stages,
         interpret=interpret,
         mask_value=mask_value,
+        per_channel=per_channel_scales,
     )
     return o[:, :, :group, :].reshape(batch, num_q_heads, head_dim)
 
@@ -255,6 +275,9 @@ def paged_attention_decode(
     *,
     layer: int | jax.Array | None = None,
     scale: float | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    per_channel_scales: bool = False,
     blocks_per_step: int | None = None,
     num_splits: int = 1,
     num_warps: int = 4,
@@ -283,6 +306,9 @@ def paged_attention_decode(
         kernel reads that layer in place; slicing ``pages[layer]`` before the call would
         make XLA copy the layer's whole pool.
       scale: softmax scale (a Python float); default head_dim ** -0.5.
+      k_scales, v_scales: for int8 / float8_e4m3fn pages, their scales: the pages' leading
+        axes then [block_size] (per token) or [head_dim] (``per_channel_scales``);
+        loaded with each tile and multiplied in f32. None for float pages.
       blocks_per_step: physical blocks gathered per loop step (power of two; the step's
         blocks_per_step * block_size tokens must be in [16, 256]). Default: ~128 tokens
         (64 for head_dim 256).
@@ -317,6 +343,9 @@ def paged_attention_decode(
         num_warps,
         num_stages,
         layer,
+        k_scales,
+        v_scales,
+        per_channel_scales,
     )
     return _paged_attention_decode(
         q,
@@ -325,6 +354,8 @@ def paged_attention_decode(
         block_tables,
         lengths,
         layer,
+        k_scales,
+        v_scales,
         scale=float(head_dim**-0.5 if scale is None else scale),
         blocks_per_step=blocks_per_step,
         num_splits=num_splits,
@@ -332,4 +363,5 @@ def paged_attention_decode(
         num_stages=num_stages,
         interpret=interpret,
         mask_value=mask_value,
+        per_channel_scales=per_channel_scales,
     )

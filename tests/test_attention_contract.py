@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from paged_jax.attention import blocked, dispatch, reference
-from paged_jax.kv import KVPages
+from paged_jax.kv import KVPages, quant
 
 D = 64  # the smallest head_dim the kernels take
 LAYERS = 3
@@ -232,6 +232,65 @@ def test_layer_of_stacked_pages(impl, cfg, how):
     for out, want in zip(outs, wants):
         check_output(out, case, want, rtol=1e-5, atol=1e-5)
     assert not np.allclose(wants[0], wants[1])  # the layers hold different data
+
+
+# ------------------------------------------------------------------------- quantised pages
+def quantized_case(case: Case, name: str) -> tuple[Case, Case]:
+    """``case`` with its pages quantised to ``name`` (``kv.quant``), and the float case
+    that holds exactly what they dequantise to. Unowned slots stay poisoned: per token,
+    their scales are NaN; per channel, their values are garbage (127) and the scales of
+    blocks nobody owns NaN (int8 holds no NaN)."""
+    fmt = quant.kv_format(name)
+    owned = ~np.isnan(np.asarray(case.pages.k)[..., 0])  # [(L,) Hkv, N, bs]
+    nan = np.asarray(quant.scale_bits(jnp.asarray(np.nan)))
+
+    def one(x):
+        vals, scales = quant.quantize_blocks(fmt, jnp.asarray(np.nan_to_num(np.asarray(x))))
+        vals, scales = np.array(vals), np.array(scales)  # scales: stored bits
+        if fmt.per_channel:
+            vals[~owned] = 127
+            scales[~owned.any(-1)] = nan
+        else:
+            scales[~owned] = nan
+        deq = np.array(quant.dequantize(jnp.asarray(vals), jnp.asarray(scales), fmt.per_channel))
+        deq[~owned] = np.nan
+        return jnp.asarray(vals), jnp.asarray(scales), jnp.asarray(deq)
+
+    k, ks, k_deq = one(case.pages.k)
+    v, vs, v_deq = one(case.pages.v)
+    return case._replace(pages=KVPages(k, v, ks, vs, kv_format=name)), case._replace(pages=KVPages(k_deq, v_deq))
+
+
+@pytest.mark.parametrize("name", quant.QUANTIZED_KV_CACHE_DTYPES)
+def test_quantized_oracle_matches_brute_force_on_the_dequantised_values(name):
+    for cfg in (GQA_DECODE, MQA_CHUNK):
+        qcase, fcase = quantized_case(make_case(cfg, 4, fork=True), name)
+        want = brute_force(fcase, D**-0.5)
+        check_output(oracle(*qcase), qcase, jnp.asarray(want, jnp.float32), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", quant.QUANTIZED_KV_CACHE_DTYPES)
+@pytest.mark.parametrize("cfg", [GQA_DECODE, GQA_CHUNK], ids=lambda c: c.name)
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret", "blocked-one-group"])
+def test_quantized_pages_match_oracle(impl, cfg, name):
+    """Every implementation reads values x scales: 5-D quantised pages, a traced layer."""
+    qcase, _ = quantized_case(make_case(cfg, 5, fork=True, layers=2), name)
+    run = jax.jit(lambda *a: IMPLS[impl](*a[:5], layer=a[5]))
+    want = oracle(*qcase, layer=1)
+    check_output(run(*qcase, jnp.int32(1)), qcase, want, rtol=1e-5, atol=1e-5)
+    if name == "int8":  # bf16 queries over int8 pages (a bf16 model's int8 cache)
+        bcase = qcase._replace(q=qcase.q.astype(jnp.bfloat16))
+        check_output(run(*bcase, jnp.int32(1)), bcase, oracle(*bcase, layer=1), rtol=2e-2, atol=3e-2)
+
+
+def test_pages_without_their_scales_are_refused():
+    qcase, _ = quantized_case(make_case(GQA_DECODE, 6, fork=False), "int8")
+    for impl in ("reference", "xla", "pallas_interpret"):
+        with pytest.raises(ValueError, match="need scales"):
+            IMPLS[impl](*qcase._replace(pages=KVPages(qcase.pages.k, qcase.pages.v)))
+        with pytest.raises(ValueError, match="do not fit"):
+            bad = qcase.pages.replace(k_scale=qcase.pages.k_scale[..., :1], v_scale=qcase.pages.v_scale[..., :1])
+            IMPLS[impl](*qcase._replace(pages=bad))
 
 
 # ------------------------------------------------------------------------------ validation

@@ -67,6 +67,28 @@ def test_register_impl_injects_an_implementation(monkeypatch):
         dispatch.register_impl("auto", doubled_reference)
 
 
+def test_an_impl_that_knows_no_scales_is_refused_quantised_pages(monkeypatch):
+    """A registered implementation reads quantised pages only if it says so: otherwise a
+    clear error naming it and the format, never int8 bytes read as keys."""
+    from paged_jax.kv import KVPages, quant
+
+    monkeypatch.setattr(dispatch, "IMPLS", dict(dispatch.IMPLS))
+    monkeypatch.setattr(dispatch, "READS_QUANTIZED", set(dispatch.READS_QUANTIZED))
+    q, pages, tables, lengths, q_lens = _case(4)
+    fmt = quant.kv_format("int8")
+    (k, ks), (v, vs) = quant.quantize_blocks(fmt, pages.k), quant.quantize_blocks(fmt, pages.v)
+    qpages = KVPages(k, v, ks, vs, kv_format="int8")
+    dispatch.register_impl("naive", reference.paged_attention)
+    with pytest.raises(ValueError, match=r"impl 'naive' cannot read kv_cache_dtype='int8'"):
+        dispatch.paged_attention(q, qpages, tables, lengths, q_lens, impl="naive")
+    with pytest.raises(ValueError, match="'naive' cannot read"):
+        dispatch.check_reads("naive", "int8")
+    dispatch.check_reads("naive", "bfloat16")  # unquantised pages: fine
+    dispatch.register_impl("naive", reference.paged_attention, reads_quantized=True)
+    out = dispatch.paged_attention(q, qpages, tables, lengths, q_lens, impl="naive")
+    np.testing.assert_array_equal(out, reference.paged_attention(q, qpages, tables, lengths, q_lens))
+
+
 def test_contract_errors_are_raised_whatever_the_impl(monkeypatch):
     """A call that breaks the contract raises, even under "auto" on GPU (no fallback)."""
     q, pages, tables, lengths, q_lens = _case(3)

@@ -98,3 +98,16 @@ def test_prefix_caching_studies_run_and_write_their_json(tmp_path, monkeypatch):
     for name in ("prefix", "multiturn", "eviction"):
         assert json.loads((tmp_path / f"{name}.json").read_text())["headline"]
         assert (tmp_path / f"{name}.png").stat().st_size > 0
+
+
+def test_quantized_study_runs_and_writes_its_json(tmp_path):
+    """The quantised-KV study in quick mode (tiny real models: quantisation needs real pages)."""
+    from experiments import quantized
+
+    set_debug_checks(False)
+    h = quantized.main(["--quick", "--out", str(tmp_path)])["headline"]
+    assert 1.5 < h["int8_capacity_gain"] < 2 and h["int8_channel_capacity_gain"] < h["int8_capacity_gain"]
+    assert 0 <= h["int8_greedy_agreement"] <= 1 and h["bf16_greedy_agreement"] > 0.5
+    assert h["fp8_greedy_agreement"] is None  # not measured in quick mode
+    assert json.loads((tmp_path / "quantized.json").read_text())["headline"]
+    assert (tmp_path / "quantized.png").stat().st_size > 0

@@ -4,6 +4,7 @@ decode kernel, over a shuffled pool with a forked (copy-on-write) prefix."""
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from paged_jax import CacheConfig
 from paged_jax.buckets import pad_batch, pad_decode
@@ -19,12 +20,12 @@ CFG = ModelConfig(
 CACHE = CacheConfig(num_blocks=24, block_size=8, max_seqs=4, max_blocks_per_seq=4)
 
 
-def run(impl: str):
+def run(impl: str, kv_cache_dtype: str = "auto"):
     """Prefill two prompts, fork one, decode 6 greedy steps; returns every step's logits."""
     graphdef, params = init_params(CFG, seed=1)
     fns = make_step_fns(CFG, attention_impl=impl)
     state = init_state(CACHE, "random")  # scattered physical layout
-    pages = init_pages_for(CFG, CACHE)
+    pages = init_pages_for(CFG, CACHE, kv_cache_dtype=kv_cache_dtype)
     state, status = open_sequences(state, jnp.asarray([0, 1], jnp.int32))
     raise_for_status("open", [0, 1], status)
     prompts = [[5, 17, 3, 44, 9, 61, 2, 8, 30, 11, 7], [40, 2, 9]]  # 11 tokens: mid-block
@@ -45,8 +46,11 @@ def run(impl: str):
     return out
 
 
-def test_model_through_pallas_interpret_matches_xla():
-    xla, pallas = run("xla"), run("pallas_interpret")
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_model_through_pallas_interpret_matches_xla(kv_cache_dtype):
+    """Also over quantised pages: the kernels load each tile's scales (copy-on-write
+    carrying them) and agree with the XLA path on the same quantised cache."""
+    xla, pallas = run("xla", kv_cache_dtype), run("pallas_interpret", kv_cache_dtype)
     for a, b in zip(xla, pallas):
         assert np.isfinite(b).all()
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from paged_jax.attention import contract
-from paged_jax.attention.reference import gather_blocks
+from paged_jax.attention.reference import gather_dequantized
 
 _MASKED = -1e30  # finite: exp(_MASKED - max) underflows to 0 without Inf - Inf = NaN
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -71,7 +71,7 @@ def paged_attention(
     sizes = contract.check(q, pages, block_tables, lengths, q_lens, layer)
     b, t, hq, d = sizes.batch, sizes.queries, sizes.q_heads, sizes.head_dim
     hkv, n, bs, g = sizes.kv_heads, sizes.num_blocks, sizes.block_size, sizes.group
-    q, k_pages, v_pages = jnp.asarray(q), jnp.asarray(pages.k), jnp.asarray(pages.v)
+    q = jnp.asarray(q)
     p = block_tables.shape[1]
     if min(query_tile, min_groups, blocks_per_chunk, tail_blocks) < 1:
         raise ValueError(
@@ -115,8 +115,8 @@ def paged_attention(
                 m, denom, acc = carry  # [Hkv, r, TG], [Hkv, r, TG], [Hkv, r, TG, D]
                 start = first_block + i * cb
                 cols = jax.lax.dynamic_slice_in_dim(table, start, cb, axis=1)  # [r, cb]
-                k = gather_blocks(k_pages, cols, layer).reshape(hkv, r, ck, d).astype(jnp.float32)
-                v = gather_blocks(v_pages, cols, layer).reshape(hkv, r, ck, d).astype(jnp.float32)
+                k = gather_dequantized(pages, "k", cols, layer).reshape(hkv, r, ck, d)
+                v = gather_dequantized(pages, "v", cols, layer).reshape(hkv, r, ck, d)
                 k_pos = start * bs + jnp.arange(ck, dtype=jnp.int32)  # [ck]
                 key_ok = k_pos[None, :] < lens[:, None]  # [r, ck]
                 if t == 1:

@@ -9,8 +9,10 @@ registers in ``dispatch``) is a function
                 (prefill, or verification of draft tokens).
   pages:        ``paged_jax.kv.KVPages``; ``.k`` and ``.v`` are every layer's
                 [L, Hkv, N, bs, D], or one layer's [Hkv, N, bs, D] with ``layer=None``.
-                Implementations read ``.k`` and ``.v`` only (other leaves, such as
-                quantisation scales, may join later).
+                Quantised pages (``kv.quant``: int8 / float8 values) carry
+                ``.k_scale`` and ``.v_scale`` ([.., N, bs] per token, [.., N, D] per
+                channel); every implementation reads values * scale, block by
+                block, never a dequantised copy of the pool.
   block_tables: int32[B, P]: logical block j of row b is physical block block_tables[b, j];
                 entries past a row's blocks may be anything (-1).
   lengths:      int32[B]: KV length of each row including the new tokens, whose K/V are
@@ -105,6 +107,27 @@ def check_layer(k: jax.Array, layer) -> None:
         raise ValueError(f"layer must be an int or an integer scalar array, got {layer!r}")
 
 
+def check_scales(pages) -> None:
+    """ValueError unless the scale leaves match the values: both absent for float pages,
+    both present for int8 / float8 ones, shaped ``[.., N, bs]`` (per token) or
+    ``[.., N, D]`` (per channel) as ``pages.kv_format`` says."""
+    k, ks, vs = pages.k, getattr(pages, "k_scale", None), getattr(pages, "v_scale", None)
+    quantized = not jnp.issubdtype(k.dtype, jnp.floating) or jnp.dtype(k.dtype).itemsize == 1
+    if (ks is None) != (vs is None) or (ks is None) == quantized:
+        raise ValueError(
+            f"pages of dtype {k.dtype} need {'scales' if quantized else 'no scales'}: got k_scale "
+            f"{None if ks is None else ks.shape}, v_scale {None if vs is None else vs.shape}"
+        )
+    if ks is None:
+        return
+    *lead, bs, d = k.shape
+    want = (*lead, d) if pages.format.per_channel else (*lead, bs)
+    if ks.shape != want or vs.shape != want:
+        raise ValueError(
+            f"scales {ks.shape} / {vs.shape} do not fit {pages.kv_format!r} pages {k.shape}: want {want}"
+        )
+
+
 def check(q, pages, block_tables, lengths, q_lens, layer) -> Shapes:
     """Validates one call's shapes and dtypes against the contract (at trace time: shapes
     only, never values). Raises ValueError; returns the sizes."""
@@ -113,6 +136,7 @@ def check(q, pages, block_tables, lengths, q_lens, layer) -> Shapes:
         raise ValueError(f"q must be [B, T, Hq, D], got shape {q.shape}")
     if k.shape != v.shape or k.dtype != v.dtype:
         raise ValueError(f"pages.k and pages.v differ: {k.dtype}{list(k.shape)} vs {v.dtype}{list(v.shape)}")
+    check_scales(pages)
     check_layer(k, layer)
     b, t, hq, d = q.shape
     hkv, n, bs, dk = k.shape[-4:]

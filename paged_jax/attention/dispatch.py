@@ -45,12 +45,37 @@ IMPLS: dict[str, Callable[..., jax.Array]] = {
 }
 
 
-def register_impl(name: str, fn: contract.AttentionFn) -> None:
+# Implementations that dequantise int8 / float8 pages with their scales (``kv.quant``).
+READS_QUANTIZED: set[str] = {"reference", "xla", "pallas", "pallas_interpret"}
+
+
+def register_impl(name: str, fn: contract.AttentionFn, *, reads_quantized: bool = False) -> None:
     """Make ``fn`` (the contract's signature) available as ``impl=name``; replaces an
-    earlier registration of the same name."""
+    earlier registration of the same name. ``reads_quantized``: ``fn`` reads quantised
+    pages (values x ``k_scale`` / ``v_scale``); otherwise it is refused them, so an
+    implementation that knows nothing of scales never reads int8 bytes as keys."""
     if name == AUTO:
         raise ValueError(f"{AUTO!r} is the automatic choice, not a name an implementation can take")
     IMPLS[name] = fn
+    if reads_quantized:
+        READS_QUANTIZED.add(name)
+    else:
+        READS_QUANTIZED.discard(name)
+
+
+def check_reads(impl: str, kv_cache_dtype: str) -> None:
+    """ValueError naming both unless ``impl`` (or what "auto" may pick) reads pages of
+    ``kv_cache_dtype``."""
+    from paged_jax.kv.quant import kv_format
+
+    fmt = kv_format(kv_cache_dtype)
+    names = {"pallas", "xla"} if impl == AUTO else {resolve_impl(impl)}
+    bad = sorted(n for n in names if fmt.quantized and n not in READS_QUANTIZED)
+    if bad:
+        raise ValueError(
+            f"attention impl {bad[0]!r} cannot read kv_cache_dtype={fmt.name!r} pages (it was registered "
+            f"without reads_quantized=True); use one of {sorted(READS_QUANTIZED)} or kv_cache_dtype='auto'"
+        )
 
 
 def resolve_impl(impl: str) -> str:
@@ -89,6 +114,8 @@ def paged_attention(
     """
     name = resolve_impl(impl)
     contract.check(q, pages, block_tables, lengths, q_lens, layer)
+    if getattr(pages, "k_scale", None) is not None:
+        check_reads(name, pages.kv_format)
     args = (q, pages, block_tables, lengths, q_lens)
     if impl != AUTO or name == "xla":
         return IMPLS[name](*args, layer=layer, scale=scale)

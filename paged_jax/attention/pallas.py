@@ -4,7 +4,7 @@
 runs the decode kernel when T == 1 (q [B, 1, Hq, D] becomes the kernel's [B, Hq, D] and
 back), the chunk kernel otherwise. The kernels take raw arrays (``pages.k``,
 ``pages.v``) and the layer as a Python int or a traced scalar, and read that layer in
-place. ``pallas_kernels`` is an optional import, made on first use: without it the call
+place; quantised pages pass their scale leaves beside them. ``pallas_kernels`` is an optional import, made on first use: without it the call
 raises ImportError saying so.
 """
 
@@ -83,6 +83,9 @@ def paged_attention(
             jnp.where(q_lens > 0, lengths, 0),
             layer=layer,
             scale=scale,
+            k_scales=pages.k_scale,
+            v_scales=pages.v_scale,
+            per_channel_scales=pages.format.per_channel,
             interpret=interpret,
             **decode_tuning,
         )
@@ -96,6 +99,9 @@ def paged_attention(
         q_lens,
         layer=layer,
         scale=scale,
+        k_scales=pages.k_scale,
+        v_scales=pages.v_scale,
+        per_channel_scales=pages.format.per_channel,
         interpret=interpret,
         **tuning,
     )

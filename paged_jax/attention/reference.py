@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from paged_jax.attention import contract
+from paged_jax.kv import quant
 
 # A finite mask value: exp(_MASKED - max) underflows to 0 without Inf - Inf = NaN.
 _MASKED = -1e30
@@ -73,13 +74,14 @@ def gather_blocks(leaf: jax.Array, block_ids: jax.Array, layer: int | jax.Array 
     """Whole blocks of one layer, read through block ids in one gather.
 
     Args:
-      leaf: a page leaf, every layer's [L, Hkv, N, bs, F] (``layer`` naming one) or one
-        layer's [Hkv, N, bs, F] (``layer`` None).
+      leaf: a page leaf, every layer's [L, Hkv, N, ...] (``layer`` naming one) or one
+        layer's [Hkv, N, ...] (``layer`` None); "..." is [bs, D] for K and V, [bs] or
+        [D] for quantised pages' scales.
       block_ids: int[...] of any shape; ids outside [0, N) (-1) are clamped into range
         (callers mask what they read there), and so is a traced layer outside [0, L).
-      layer: a Python int or an int32 scalar (traced or not), or None for 4-D leaves.
+      layer: a Python int or an int32 scalar (traced or not), or None for one layer's leaf.
 
-    Returns [Hkv, *block_ids.shape, bs, F] in leaf.dtype. The layer is a coordinate of the
+    Returns [Hkv, *block_ids.shape, ...] in leaf.dtype. The layer is a coordinate of the
     gather, not a slice taken first: a ``leaf[layer]`` slice feeding a loop is
     materialised (the whole layer's pool copied per call), while the gather reads only the
     named blocks. Sub-fp32 floats are gathered as unsigned integers of their width (free
@@ -88,20 +90,34 @@ def gather_blocks(leaf: jax.Array, block_ids: jax.Array, layer: int | jax.Array 
     is hoisted out of the loop and materialised, i.e. the whole pool converted per call.
     """
     if layer is None:
-        leaf, layer = leaf[None], 0  # a free reshape: one code path for 4-D and 5-D pages
+        leaf, layer = leaf[None], 0  # a free reshape: one code path for one layer and every layer
     dtype = jnp.dtype(leaf.dtype)
     if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
         leaf = jax.lax.bitcast_convert_type(leaf, jnp.dtype(f"uint{8 * dtype.itemsize}"))
     nd = block_ids.ndim
-    _, hkv, _, bs, f = leaf.shape
+    hkv, trailing = leaf.shape[1], leaf.shape[3:]
     coords = jnp.stack(
         [jnp.broadcast_to(jnp.asarray(layer, jnp.int32), block_ids.shape), block_ids.astype(jnp.int32)], axis=-1
     )
     dnums = jax.lax.GatherDimensionNumbers(
-        offset_dims=(0, nd + 1, nd + 2), collapsed_slice_dims=(0, 2), start_index_map=(0, 2)
+        offset_dims=(0, *range(nd + 1, nd + 1 + len(trailing))), collapsed_slice_dims=(0, 2), start_index_map=(0, 2)
     )
-    out = jax.lax.gather(leaf, coords, dnums, slice_sizes=(1, hkv, 1, bs, f), mode=jax.lax.GatherScatterMode.CLIP)
+    out = jax.lax.gather(
+        leaf, coords, dnums, slice_sizes=(1, hkv, 1, *trailing), mode=jax.lax.GatherScatterMode.CLIP
+    )
     return jax.lax.bitcast_convert_type(out, dtype) if out.dtype != dtype else out
+
+
+def gather_dequantized(pages, which: str, block_ids: jax.Array, layer=None) -> jax.Array:
+    """``gather_blocks`` of ``pages.k`` or ``pages.v`` (``which``), dequantised with its
+    scale leaf when the pages are quantised -> float32[Hkv, *block_ids.shape, bs, D].
+    Scales are gathered per block like the values and broadcast: nothing pool-sized is
+    ever dequantised."""
+    out = gather_blocks(getattr(pages, which), block_ids, layer).astype(jnp.float32)
+    scales = getattr(pages, f"{which}_scale", None)
+    if scales is None:
+        return out
+    return quant.dequantize(out, gather_blocks(scales, block_ids, layer), pages.format.per_channel)
 
 
 def paged_attention(
@@ -124,11 +140,11 @@ def paged_attention(
     contract.check(q, pages, block_tables, lengths, q_lens, layer)
     b, p = block_tables.shape
 
-    def rows(leaf):  # [B, Hkv, P * bs, D], head-major like the pages
-        g = jnp.swapaxes(gather_blocks(leaf, block_tables, layer), 0, 1)  # [B, Hkv, P, bs, D]
+    def rows(which):  # [B, Hkv, P * bs, D] f32, head-major like the pages
+        g = jnp.swapaxes(gather_dequantized(pages, which, block_tables, layer), 0, 1)  # [B, Hkv, P, bs, D]
         return g.reshape(b, g.shape[1], p * g.shape[3], g.shape[4])
 
-    return _attend(q, rows(pages.k), rows(pages.v), lengths, q_lens, scale)
+    return _attend(q, rows("k"), rows("v"), lengths, q_lens, scale)
 
 
 def dense_causal_attention(

@@ -62,9 +62,17 @@ class RequestOutput:
     rejected: str | None = None  # why the request never ran (its completions are empty)
 
 
-def build_backend(model, *, dtype: str, seed: int, attention_impl: str, block_size: int) -> ModelBackend:
-    """A ``ModelBackend`` from a checkpoint directory or a ``ModelConfig`` (random weights)."""
+def build_backend(
+    model, *, dtype: str, seed: int, attention_impl: str, block_size: int, kv_cache_dtype: str = "auto"
+) -> ModelBackend:
+    """A ``ModelBackend`` from a checkpoint directory or a ``ModelConfig`` (random weights),
+    its KV pages in ``kv_cache_dtype`` (``kv.quant``)."""
     if isinstance(model, ModelBackend):
+        if kv_cache_dtype != "auto":
+            raise ValueError(
+                f"kv_cache_dtype={kv_cache_dtype!r} with a ModelBackend: the backend's init_pages decides "
+                "its page format; pass 'auto'"
+            )
         return model
     from paged_jax import kv
     from paged_jax.model import ModelConfig, init_params, load_model
@@ -92,7 +100,8 @@ def build_backend(model, *, dtype: str, seed: int, attention_impl: str, block_si
         step=make_model_step(config, attention_impl),
         params=params,
         init_pages=lambda num_blocks: kv.init_pages(
-            config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim, dtype
+            config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim, dtype,
+            kv_cache_dtype,
         ),
         vocab_size=config.vocab_size,
         eos_token_id=eos,
@@ -121,7 +130,11 @@ class LLM:
       allocation_policy: block allocation order: "lifo", "fifo", "lowest_id_first", "random".
       attention_impl: a name in ``attention.dispatch`` ("auto", "xla", "reference",
         "pallas", "pallas_interpret").
-      dtype: parameter, compute and KV dtype.
+      dtype: parameter and compute dtype, and the KV dtype unless ``kv_cache_dtype`` says.
+      kv_cache_dtype: "auto" (KV in ``dtype``), "int8" (per-token scales), "int8_channel"
+        (per-block, per-channel scales) or "fp8_e4m3" (float8 values, per-token scales):
+        quantised on write, dequantised on read by every attention implementation
+        (``kv.quant``). A byte budget (``kv_cache_memory_bytes``) counts the scales.
       seed: random weights (ModelConfig) and default per-request sampling seeds.
       kv_cache: "paged" or "static" (each sequence reserves max_model_len up front).
       watermark: fraction of the pool kept free at admission (paged).
@@ -165,6 +178,7 @@ class LLM:
         allocation_policy: str = "lifo",
         attention_impl: str = "auto",
         dtype: str = "float32",
+        kv_cache_dtype: str = "auto",
         seed: int = 0,
         kv_cache: str = "paged",
         watermark: float = 0.01,
@@ -181,9 +195,15 @@ class LLM:
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching={enable_prefix_caching!r}: must be True or False")
         from paged_jax.cache import get_eviction_policy, get_hash
+        from paged_jax.kv.quant import kv_format
 
         get_eviction_policy(eviction_policy)
         get_hash(prefix_cache_hash)
+        kv_format(kv_cache_dtype)
+        if not isinstance(model, ModelBackend):
+            from paged_jax.attention.dispatch import check_reads
+
+            check_reads(attention_impl, kv_cache_dtype)
         if enable_prefix_caching and kv_cache != "paged":
             raise ValueError(
                 f"enable_prefix_caching=True needs kv_cache='paged': the {kv_cache!r} baseline shares no blocks"
@@ -205,7 +225,10 @@ class LLM:
             preemption_mode=preemption_mode, victim_policy=victim_policy,
             admission_lookahead=admission_lookahead, share_blocks=share_blocks,
         )
-        backend = build_backend(model, dtype=dtype, seed=seed, attention_impl=attention_impl, block_size=block_size)
+        backend = build_backend(
+            model, dtype=dtype, seed=seed, attention_impl=attention_impl, block_size=block_size,
+            kv_cache_dtype=kv_cache_dtype,
+        )
 
         bytes_per_block = kv_bytes_per_block(jax.eval_shape(lambda: backend.init_pages(1)))
         if kv_cache_memory_bytes is not None:
@@ -235,6 +258,7 @@ class LLM:
             max_num_batched_tokens = max(min(max(max_model_len, max_num_seqs), 2048), max_num_seqs)
 
         self.kv_cache = kv_cache
+        self.kv_cache_dtype = kv_cache_dtype
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
@@ -461,6 +485,7 @@ class LLM:
         out = self.engine.stats.summary()
         out.update(
             kv_cache=self.kv_cache,
+            kv_cache_dtype=self.kv_cache_dtype,
             block_size=self.block_size,
             bytes_per_block=self.runner.bytes_per_block,
             preemption_mode=sched.config.preemption_mode,

@@ -58,7 +58,7 @@ from paged_jax.cache import (
 from paged_jax.config import CacheConfig
 from paged_jax.engine.sampling import sample, top_logprobs
 from paged_jax.engine.swap import HostSwapPool, SwappedBlocks
-from paged_jax.kv.pages import BLOCK_AXIS, bytes_per_block, copy_blocks, read_blocks, write_blocks
+from paged_jax.kv.pages import block_axis, bytes_per_block, copy_blocks, read_blocks, write_blocks
 
 MIN_TOP = 16  # narrowest top-K call (see _call)
 
@@ -303,7 +303,7 @@ class ModelRunner:
             raise_for_status(op, ids, status)
         swapped = []
         for (blocks, _), data in zip(swap_reads, host_reads, strict=True):
-            leaves = [np.moveaxis(np.asarray(x), x.ndim + BLOCK_AXIS, 0) for x in jax.tree.leaves(data)]
+            leaves = [np.moveaxis(np.asarray(x), block_axis(data), 0) for x in jax.tree.leaves(data)]
             self.swap_pool.write(blocks.host_ids, leaves)
             swapped.append(blocks)
         self.view = HostView.from_snapshot(snap, self.config.block_size)
@@ -392,7 +392,7 @@ class ModelRunner:
         data = []
         for leaf in self.swap_pool.load(host_ids):
             padded = np.concatenate([leaf, np.repeat(leaf[-1:], max_local - len(host_ids), axis=0)])
-            data.append(jnp.asarray(np.moveaxis(padded, 0, padded.ndim + BLOCK_AXIS)))
+            data.append(jnp.asarray(np.moveaxis(padded, 0, block_axis(self.pages))))
         ids = buckets.pad_ids(slots, rows)
         padded_lens = np.zeros(rows, np.int32)
         padded_lens[: len(lens)] = lens

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from paged_jax.kv.pages import BLOCK_AXIS
+from paged_jax.kv.pages import block_axis
 
 
 class SwapPoolFullError(RuntimeError):
@@ -61,12 +61,13 @@ class HostSwapPool:
     @classmethod
     def for_pages(cls, capacity: int, pages) -> HostSwapPool:
         """A pool for blocks of ``pages`` (the store or its ``jax.eval_shape``): each leaf
-        ``[..., num_blocks, block_size, F]`` gives a host leaf ``[capacity, ..., block_size, F]``."""
+        ``[(L,) Hkv, num_blocks, ...]`` gives a host leaf ``[capacity, (L,) Hkv, ...]``."""
         leaves, treedef = jax.tree.flatten(pages)
+        axis = block_axis(pages)
         block_leaves = []
         for leaf in leaves:
             shape = list(leaf.shape)
-            del shape[len(shape) + BLOCK_AXIS]
+            del shape[axis]
             block_leaves.append((tuple(shape), leaf.dtype))
         return cls(capacity, block_leaves, treedef)
 

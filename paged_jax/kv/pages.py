@@ -6,14 +6,14 @@ head_dim]`` is the layout the Pallas kernel reads: one (kv head, block) pair is 
 contiguous ``block_size x head_dim`` tile, and the kv-head axis stays in front so that
 tensor parallelism can shard it without touching the block axis.
 
-"A block" is every leaf's slice at the block axis. Every leaf has the shape
-``[..., num_blocks, block_size, F]``: the block axis is the third from last, the
-in-block token offset the second from last, and ``F`` a per-token feature (``head_dim``
-for K and V; a scale or a group of scales for quantised pages, which are added as
-extra leaves). All block helpers below (copy, read, write, poison) tree-map over leaves with that
-convention and accept any such pytree, not just ``KVPages``, so
+"A block" is every leaf's slice at the block axis. Every leaf shares the leading axes
+``[(L,) Hkv, N]`` and may differ after them: ``[bs, D]`` for K and V, ``[bs]`` (one
+scale per slot) or ``[D]`` (one per channel) for quantised pages' scales. So the block
+axis is the third axis of a whole store's leaves and the second of one layer's
+(``block_axis``); all block helpers below (copy, read, write, poison) tree-map over
+leaves with that convention and accept any such pytree, not just ``KVPages``, so
 copy-on-write, swap and poisoning carry whatever a block holds, and every helper works
-on the whole store ``[L, Hkv, N, bs, F]`` as well as on a single layer ``[Hkv, N, bs, F]``.
+on the whole store as well as on a single layer.
 
 Every function is pure and jittable. Indices that must not be written are sent out of
 bounds and dropped (``mode="drop"``), never clipped or set to -1 (a -1 index would wrap
@@ -31,22 +31,39 @@ from flax import struct
 
 from paged_jax.cache.sentinels import NO_BLOCK
 from paged_jax.dtypes import float_dtype
+from paged_jax.kv import quant
 
-BLOCK_AXIS = -3  # block axis of every leaf, counted from the end
-OFFSET_AXIS = -2  # in-block token offset axis of every leaf
+BLOCK_AXIS = -3  # block axis of K and V, counted from the end (scales: see block_axis)
+OFFSET_AXIS = -2  # in-block token offset axis of K and V
+
+
+def block_axis(pages) -> int:
+    """The block axis of every leaf of ``pages``, counted from the front: K's rank - 3
+    (2 for a store ``[L, Hkv, N, bs, D]``, 1 for one layer)."""
+    return jax.tree.leaves(pages)[0].ndim + BLOCK_AXIS
 
 @struct.dataclass
 class KVPages:
     """K and V pages of every layer (or of one layer: drop the leading axis).
 
-    Later waves add leaves (e.g. ``k_scale: [L, Hkv, N, bs, 1]``); every leaf keeps the
-    block axis at ``BLOCK_AXIS`` so that the helpers carry it with the data.
+    Quantised formats (``kv.quant``) store int8 or float8 values and add the scale
+    leaves (bfloat16, held as uint16 bits: ``quant.scale_bits``): ``[L, Hkv, N, bs]``
+    per token or ``[L, Hkv, N, D]`` per channel,
+    the same leading axes as K and V so the helpers carry scales with the values.
+    ``kv_format`` (static: part of the treedef) names the format.
     """
 
-    k: jax.Array  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]; float
-    v: jax.Array  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]; float
+    k: jax.Array  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]; float or quantised
+    v: jax.Array  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]; float or quantised
+    k_scale: jax.Array | None = None  # bf16 bits (uint16) [L, Hkv, N, bs] or [L, Hkv, N, D]; None: float pages
+    v_scale: jax.Array | None = None  # like k_scale
+    kv_format: str = struct.field(pytree_node=False, default="auto")
 
     BLOCK_AXIS: ClassVar[int] = BLOCK_AXIS
+
+    @property
+    def format(self) -> quant.KVFormat:
+        return quant.kv_format(self.kv_format)
 
     @property
     def num_blocks(self) -> int:
@@ -75,14 +92,28 @@ def init_pages(
     block_size: int,
     head_dim: int,
     dtype: Any = jnp.float32,
+    kv_cache_dtype: str = "auto",
 ) -> KVPages:
-    """A zero-filled store: ``k, v: dtype[num_layers, num_kv_heads, num_blocks, block_size, head_dim]``."""
+    """A zero-filled store: ``k, v: [num_layers, num_kv_heads, num_blocks, block_size,
+    head_dim]`` in ``dtype`` (the model's) or in ``kv_cache_dtype``'s storage dtype, with
+    zero bfloat16 scales when it is quantised (``kv.quant`` lists the formats)."""
     dtype = float_dtype(dtype)
+    fmt = quant.kv_format(kv_cache_dtype)
     shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
     for name, value in zip(("num_layers", "num_kv_heads", "num_blocks", "block_size", "head_dim"), shape):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name}={value!r}: must be a positive int")
-    return KVPages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    if not fmt.quantized:
+        dtype = quant.storage_dtype(fmt, dtype)
+        return KVPages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    scale_shape = shape[:3] + fmt.scale_shape(block_size, head_dim)
+    return KVPages(
+        k=jnp.zeros(shape, fmt.storage),
+        v=jnp.zeros(shape, fmt.storage),
+        k_scale=jnp.zeros(scale_shape, quant.SCALE_STORAGE),
+        v_scale=jnp.zeros(scale_shape, quant.SCALE_STORAGE),
+        kv_format=fmt.name,
+    )
 
 
 # --------------------------------------------------------------------------- sizes
@@ -107,6 +138,29 @@ def bytes_per_token(pages) -> int:
 
 
 # --------------------------------------------------------------------------- token writes
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    """Sub-fp32 floats (bf16, f16, fp8) as unsigned integers of their width (a free
+    bitcast); anything else unchanged. Scatters and gathers go through this: XLA:CPU
+    has neither for those floats and converts the *whole operand* to f32 (or f16) and
+    back around each one, i.e. the pool converted per layer per step."""
+    dtype = jnp.dtype(x.dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+        return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * dtype.itemsize}"))
+    return x
+
+
+def _set(leaf: jax.Array, index, values: jax.Array) -> jax.Array:
+    """``leaf.at[index].set(values cast to leaf's dtype, mode="drop")`` through ``_bits``."""
+    out = _bits(leaf).at[index].set(_bits(values.astype(leaf.dtype)), mode="drop")
+    return jax.lax.bitcast_convert_type(out, leaf.dtype) if out.dtype != leaf.dtype else out
+
+
+def _get(leaf: jax.Array, index) -> jax.Array:
+    """``leaf[index]`` through ``_bits`` (see there)."""
+    out = _bits(leaf)[index]
+    return jax.lax.bitcast_convert_type(out, leaf.dtype) if out.dtype != leaf.dtype else out
 
 
 def _drop_index(ids: jax.Array, valid: jax.Array, bound: int) -> jax.Array:
@@ -136,61 +190,150 @@ def write_tokens(
     *,
     layer: int | jax.Array | None = None,
 ) -> KVPages:
-    """Scatter new tokens' K and V into their physical slots.
+    """Scatter new tokens' K and V into their physical slots, quantising on write.
 
     Args:
       pages: the whole store (leaves ``[L, Hkv, N, bs, D]``) or one layer
-        (``[Hkv, N, bs, D]``).
+        (``[Hkv, N, bs, D]``), in any ``kv.quant`` format.
       slot_mapping: int32 of any shape ``S`` (e.g. ``[B, T]``): ``block * block_size +
         offset`` per token, ``NO_SLOT`` (-1) for padding tokens, which are dropped. Slots
-        must be distinct among non-padding tokens.
+        must be distinct among non-padding tokens. The per-channel format needs
+        ``[B, T]`` with each row's real tokens consecutive, in consecutive slots (an
+        append).
       k_new, v_new: ``[*S, Hkv, D]`` when writing one layer (``layer`` given, or a
         single-layer store), ``[L, *S, Hkv, D]`` when writing every layer of the store at
-        once. Cast to the page dtype.
+        once. Cast to the page dtype, or quantised (per-token formats: each token's scale
+        written beside it; per channel: ``_write_channel``).
       layer: layer index into a whole store, a Python int or a traced int32 scalar (the
         model's layer scan); writes only that layer, in place.
 
     Returns the updated store (same shapes and dtypes).
     """
+    fmt = pages.format
+    if fmt.per_channel:
+        return _write_channel(pages, slot_mapping, k_new, v_new, layer)
     num_slots = pages.num_blocks * pages.block_size
     slots = slot_mapping.reshape(-1)
     idx = _drop_index(slots, (slots >= 0) & (slots < num_slots), num_slots)
 
+    lead = block_axis(pages) - 1  # the kv-head axis: [(L,) Hkv, N, bs, D] values, [(L,) Hkv, N, bs] scales
+
     def scatter(leaf, new):
-        heads, feat = leaf.shape[-4], leaf.shape[-1]
+        heads, feat = leaf.shape[lead], leaf.shape[lead + 3:]
+        flat = leaf.reshape(*leaf.shape[:lead], heads, num_slots, *feat)
+        rest = (slice(None),) * len(feat)
         if layer is not None:
-            flat = leaf.reshape(leaf.shape[0], heads, num_slots, feat)
             # An int and an index array split by a slice: NumPy puts the indexed axis
-            # first, so the update is [M, Hkv, D], the natural layout of k_new.
-            ix, vals = _pad_single(idx, new.reshape(-1, heads, feat), num_slots, axis=0)
-            out = flat.at[layer, :, ix].set(vals.astype(leaf.dtype), mode="drop")
+            # first, so the update is [M, Hkv, (D)], the natural layout of k_new.
+            ix, vals = _pad_single(idx, new.reshape(-1, heads, *feat), num_slots, axis=0)
+            out = _set(flat, (layer, slice(None), ix, *rest), vals)
         else:
-            lead = leaf.shape[:-4]
-            flat = leaf.reshape(*lead, heads, num_slots, feat)
-            vals = new.reshape(*lead, -1, heads, feat)  # [(L,) M, Hkv, D]
-            vals = jnp.moveaxis(vals, -2, -3)  # [(L,) Hkv, M, D]
-            ix, vals = _pad_single(idx, vals, num_slots, axis=-2)
-            out = flat.at[..., ix, :].set(vals.astype(leaf.dtype), mode="drop")
+            vals = new.reshape(*leaf.shape[:lead], -1, heads, *feat)  # [(L,) M, Hkv, (D)]
+            vals = jnp.moveaxis(vals, lead, lead + 1)  # [(L,) Hkv, M, (D)]
+            ix, vals = _pad_single(idx, vals, num_slots, axis=lead + 1)
+            out = _set(flat, (Ellipsis, ix, *rest), vals)
         return out.reshape(leaf.shape)
 
-    return pages.replace(k=scatter(pages.k, k_new), v=scatter(pages.v, v_new))
+    if not fmt.quantized:
+        return pages.replace(k=scatter(pages.k, k_new), v=scatter(pages.v, v_new))
+    kq, ks = quant.quantize_tokens(fmt, k_new)
+    vq, vs = quant.quantize_tokens(fmt, v_new)
+    ks, vs = quant.scale_bits(ks), quant.scale_bits(vs)
+    return pages.replace(
+        k=scatter(pages.k, kq), v=scatter(pages.v, vq), k_scale=scatter(pages.k_scale, ks), v_scale=scatter(pages.v_scale, vs)
+    )
+
+
+def _write_channel(pages: KVPages, slot_mapping, k_new, v_new, layer) -> KVPages:
+    """``write_tokens`` for per-channel scales: rewrite every block a row writes into.
+
+    For row b, the blocks its tokens land in are visited by their first new token (at
+    most ``(T + bs - 2) // bs + 1`` per row). Each block's channel scale becomes the max
+    of its old scale (0 if this write starts it at offset 0) and its new tokens'
+    ``|x| / 127``; the tokens already there are requantised to that scale, the new ones
+    quantised with it, and the whole block (values and scale) is scattered back.
+    """
+    if slot_mapping.ndim != 2:
+        raise ValueError(f"kv_cache_dtype='int8_channel' writes need slot_mapping [B, T], got shape {slot_mapping.shape}")
+    fmt = pages.format
+    single = pages.k.ndim == 4
+    if single:  # one layer's store: a store of one layer
+        pages, layer = jax.tree.map(lambda x: x[None], pages), 0
+    if layer is None:  # every layer at once: one layer after another (k_new [L, B, T, Hkv, D])
+        for i in range(pages.k.shape[0]):
+            pages = _write_channel(pages, slot_mapping, k_new[i], v_new[i], i)
+        return pages
+    b, t = slot_mapping.shape
+    bs, n = pages.block_size, pages.num_blocks
+    slots = slot_mapping.astype(jnp.int32)
+    rows = jnp.arange(b)[:, None]
+    first = jnp.argmax(slots >= 0, axis=1)[:, None]  # [B, 1] a row's first real token
+    off0 = jnp.maximum(slots[rows, first], 0) % bs  # [B, 1] its offset in its block
+    c = (t + bs - 2) // bs + 1
+    t_first = first + jnp.maximum(jnp.arange(c)[None, :] * bs - off0, 0)  # [B, C] first new token per block
+    first_slot = slots[rows, jnp.clip(t_first, 0, t - 1)]
+    visit = (t_first < t) & (first_slot >= 0) & (first_slot < n * bs)
+    blocks = jnp.where(visit, first_slot // bs, n)  # [B, C]; n: dropped
+    start = jnp.where(visit, first_slot % bs, bs)[..., None]  # [B, C, 1]: offset of the first new token
+    offsets = jnp.arange(bs)[None, None, :]
+    token = t_first[..., None] + offsets - start  # [B, C, bs]: which new token lands at each offset
+    safe_token = jnp.clip(token, 0, t - 1)
+    is_new = visit[..., None] & (token >= 0) & (token < t) & (slots[rows[..., None], safe_token] >= 0)
+    is_old = offsets < start  # tokens the block already held (start = bs for unvisited: masked anyway)
+    ids = jnp.clip(blocks, 0, n - 1).reshape(-1)
+    flat_blocks = blocks.reshape(-1)
+
+    def rewrite(values, scales, new):
+        # values [L, Hkv, N, bs, D] storage; scales [L, Hkv, N, D]; new [B, T, Hkv, D]
+        old_q = _get(values, (layer, slice(None), ids))  # [M, Hkv, bs, D]
+        old_s = _get(scales, (layer, slice(None), ids))[..., None, :]  # [M, Hkv, 1, D]
+        x = new[rows[..., None], safe_token]  # [B, C, bs, Hkv, D]
+        x = jnp.moveaxis(x.reshape(-1, bs, *x.shape[-2:]), 1, 2).astype(jnp.float32)  # [M, Hkv, bs, D]
+        new_m = is_new.reshape(-1, 1, bs, 1)
+        old_m = is_old.reshape(-1, 1, bs, 1)
+        base = jnp.where(start.reshape(-1, 1, 1, 1) > 0, quant.scale_values(old_s), 0.0)
+        fresh = quant.scale_values(quant.channel_scale(fmt, jnp.where(new_m, x, 0.0)))[..., None, :]
+        scale = jnp.maximum(base, fresh)  # [M, Hkv, 1, D] f32, bf16-exact
+        old_x = old_q.astype(jnp.float32) * quant.scale_values(old_s)
+        tile = jnp.where(new_m, x, jnp.where(old_m, old_x, 0.0))
+        tile_q = quant.encode(fmt, tile, scale)
+        ix, tile_q = _pad_single(flat_blocks, tile_q, n, axis=0)
+        _, scale = _pad_single(flat_blocks, quant.scale_bits(scale[..., 0, :]), n, axis=0)
+        values = _set(values, (layer, slice(None), ix), tile_q)
+        scales = _set(scales, (layer, slice(None), ix), scale)
+        return values, scales
+
+    k, k_scale = rewrite(pages.k, pages.k_scale, k_new)
+    v, v_scale = rewrite(pages.v, pages.v_scale, v_new)
+    out = pages.replace(k=k, v=v, k_scale=k_scale, v_scale=v_scale)
+    return jax.tree.map(lambda x: x[0], out) if single else out
 
 
 # --------------------------------------------------------------------------- whole blocks
 
 
-def _take_blocks(leaf: jax.Array, ids: jax.Array) -> jax.Array:
-    """``leaf[..., ids, :, :]`` with ids clipped in range (callers mask invalid ones)."""
-    safe = jnp.clip(ids, 0, leaf.shape[BLOCK_AXIS] - 1)
-    return jnp.take(leaf, safe, axis=leaf.ndim + BLOCK_AXIS)
+def _flat_blocks(leaf: jax.Array, axis: int) -> jax.Array:
+    """``leaf`` with everything after the block ``axis`` in one axis (a free reshape):
+    one gather/scatter shape for values and scales."""
+    return leaf.reshape(*leaf.shape[: axis + 1], -1)
 
 
-def _put_blocks(leaf: jax.Array, ids: jax.Array, data: jax.Array) -> jax.Array:
-    """``leaf[..., ids, :, :] = data``; ids outside ``[0, N)`` (NO_BLOCK) are dropped."""
-    n = leaf.shape[BLOCK_AXIS]
+def _take_blocks(leaf: jax.Array, ids: jax.Array, axis: int) -> jax.Array:
+    """``leaf`` at blocks ``ids`` of ``axis``, ids clipped in range (callers mask invalid ones)."""
+    safe = jnp.clip(ids, 0, leaf.shape[axis] - 1)
+    out = jnp.take(_bits(_flat_blocks(leaf, axis)), safe, axis=axis)
+    out = jax.lax.bitcast_convert_type(out, leaf.dtype) if out.dtype != leaf.dtype else out
+    return out.reshape(*out.shape[: axis + 1], *leaf.shape[axis + 1 :])
+
+
+def _put_blocks(leaf: jax.Array, ids: jax.Array, data: jax.Array, axis: int) -> jax.Array:
+    """``leaf`` with blocks ``ids`` of ``axis`` set to ``data``; ids outside ``[0, N)``
+    (NO_BLOCK) are dropped."""
+    n = leaf.shape[axis]
     idx = _drop_index(ids, (ids >= 0) & (ids < n), n)
-    idx, data = _pad_single(idx, data.astype(leaf.dtype), n, axis=BLOCK_AXIS)
-    return leaf.at[..., idx, :, :].set(data, mode="drop")
+    idx, data = _pad_single(idx, _flat_blocks(jnp.asarray(data).astype(leaf.dtype), axis), n, axis=axis)
+    out = _set(_flat_blocks(leaf, axis), (*(slice(None),) * axis, idx), data)
+    return out.reshape(leaf.shape)
 
 
 def _num_blocks(pages) -> int:
@@ -208,10 +351,10 @@ def copy_blocks(pages: KVPages, src: jax.Array, dst: jax.Array) -> KVPages:
     Args:
       src, dst: int32[M].
     """
-    n = _num_blocks(pages)
+    n, axis = _num_blocks(pages), block_axis(pages)
     valid = (src >= 0) & (src < n) & (dst >= 0) & (dst < n)
     dst = jnp.where(valid, dst, NO_BLOCK)
-    return jax.tree.map(lambda leaf: _put_blocks(leaf, dst, _take_blocks(leaf, src)), pages)
+    return jax.tree.map(lambda leaf: _put_blocks(leaf, dst, _take_blocks(leaf, src, axis), axis), pages)
 
 
 def read_blocks(pages: KVPages, ids: jax.Array) -> KVPages:
@@ -225,7 +368,8 @@ def read_blocks(pages: KVPages, ids: jax.Array) -> KVPages:
     included once they exist. Pass it (or a host copy, ``jax.device_get``) back to
     ``write_blocks`` to restore the blocks, possibly under other ids.
     """
-    return jax.tree.map(lambda leaf: _take_blocks(leaf, ids), pages)
+    axis = block_axis(pages)
+    return jax.tree.map(lambda leaf: _take_blocks(leaf, ids, axis), pages)
 
 
 def write_blocks(pages: KVPages, ids: jax.Array, data: KVPages) -> KVPages:
@@ -238,11 +382,14 @@ def write_blocks(pages: KVPages, ids: jax.Array, data: KVPages) -> KVPages:
 
     Returns the store with ``block ids[i] := data block i`` in every leaf and layer.
     """
-    return jax.tree.map(lambda leaf, d: _put_blocks(leaf, ids, d), pages, data)
+    axis = block_axis(pages)
+    return jax.tree.map(lambda leaf, d: _put_blocks(leaf, ids, d, axis), pages, data)
 
 
 def poison_free_blocks(pages: KVPages, free_mask: jax.Array, value: float = float("nan")) -> KVPages:
-    """Fill every block with ``free_mask[block]`` True with ``value`` (NaN by default).
+    """Fill every block with ``free_mask[block]`` True with ``value`` (NaN by default):
+    every float leaf (values, and the scales of quantised pages, so an int8 block reads
+    as NaN too).
 
     For tests: attention that reads a block it does not own then returns NaN instead of a
     plausible wrong number. O(pool) per call: never on the hot path.
@@ -251,8 +398,14 @@ def poison_free_blocks(pages: KVPages, free_mask: jax.Array, value: float = floa
       free_mask: bool[num_blocks].
     """
 
+    axis = block_axis(pages)
+
     def poison(leaf):
-        mask = free_mask.reshape((-1, 1, 1))  # broadcasts over [..., N, bs, F]
+        mask = free_mask.reshape((-1,) + (1,) * (leaf.ndim - axis - 1))  # over [.., N, ...]
+        if leaf.dtype == quant.SCALE_STORAGE:  # stored scales: the bits of a bf16 NaN
+            return jnp.where(mask, quant.scale_bits(jnp.asarray(value)), leaf)
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            return leaf  # int8 values cannot hold NaN: their scales carry the poison
         return jnp.where(mask, jnp.asarray(value, leaf.dtype), leaf)
 
     return jax.tree.map(poison, pages)

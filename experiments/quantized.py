@@ -23,7 +23,9 @@ bfloat16 and are counted in every byte figure.
    greedy choice it would make at that step given the same history) and the step where
    free-running greedy generation first diverges. Row 1 replays a fixed random token
    stream: perplexity change ``ppl / ppl_float32 - 1``. The fixtures allow 128
-   positions, so their steps are pooled over 3 prompts (>= 256 steps per fixture).
+   positions, so their steps are pooled over 3 prompts (>= 256 steps per fixture). The
+   1B-shape model (~1.1 s per decode step here) runs 128 teacher-forced steps of the
+   quantised formats, without the free run.
 4. **Tokens/s**: 160 ShareGPT-like requests (max_model_len 1024, EOS ignored) through the
    engine with one KV byte budget (the bfloat16 pool of 8 full-length sequences) on the
    throughput study's 33M-parameter model (fp32 compute): blocks, peak batch,
@@ -50,7 +52,9 @@ import numpy as np
 from experiments.common import machine_info, write_json
 
 FORMATS = ("float32", "bfloat16", "int8", "int8_channel", "fp8_e4m3")
+QUANTIZED = ("int8", "int8_channel", "fp8_e4m3")
 QUICK_FORMATS = ("float32", "bfloat16", "int8")  # --quick: the smoke test's formats
+ONE_B_STEPS = 128
 BLOCK_SIZE = 16
 BUDGET_BYTES = 8 << 30
 FIXTURES = ("llama", "qwen2", "mistral")
@@ -174,7 +178,8 @@ def _nll(logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     return -np.take_along_axis(logp, tokens[..., None], -1)[..., 0]
 
 
-def accuracy(config, params, prompts: np.ndarray, steps: int, seed: int, formats=FORMATS) -> dict:
+def accuracy(config, params, prompts: np.ndarray, steps: int, seed: int, formats=FORMATS,
+             free_run: bool = True) -> dict:
     """The per-format accuracy of one model (see the module doc): ``prompts`` [R, P] are
     the greedy rows; each is paired with a random-token row for perplexity."""
     rng = np.random.default_rng(seed)
@@ -192,9 +197,11 @@ def accuracy(config, params, prompts: np.ndarray, steps: int, seed: int, formats
         _, logits = replay(config, params, fmt, rows, steps, forced)
         err = np.abs(logits[:r] - ref_logits[:r])
         agree = logits[:r, :-1].argmax(-1) == greedy
-        # Free-running greedy rows beside the same random rows: one batch shape, one compile.
-        free_tokens = replay(config, params, fmt, rows, steps, np.concatenate([free, forced_stream]))[0][:r]
-        diverged = [int(np.flatnonzero(f != g)[0]) if (f != g).any() else steps for f, g in zip(free_tokens, greedy)]
+        diverged = None
+        if free_run:  # free-running greedy rows beside the same random rows: one batch shape
+            free_tokens = replay(config, params, fmt, rows, steps, np.concatenate([free, forced_stream]))[0][:r]
+            diverged = [int(np.flatnonzero(f != g)[0]) if (f != g).any() else steps
+                        for f, g in zip(free_tokens, greedy)]
         nll = _nll(logits[r:, :-1], forced_stream).mean()
         out[fmt] = {
             "steps": int(agree.size),
@@ -202,7 +209,7 @@ def accuracy(config, params, prompts: np.ndarray, steps: int, seed: int, formats
             "mean_logit_error": float(err.mean()),
             "greedy_agreement": float(agree.mean()),
             "first_divergence": diverged,
-            "free_run_identical": float(np.mean([d == steps for d in diverged])),
+            "free_run_identical": None if diverged is None else float(np.mean([d == steps for d in diverged])),
             "perplexity_change": float(np.exp(nll - ref_nll) - 1),
         }
     return out
@@ -238,7 +245,9 @@ def random_model_accuracy(quick: bool) -> dict:
     config = one_b(quick)
     _, params = init_params(config, 0)
     prompts = np.random.default_rng(3).integers(0, config.vocab_size, (1, 32))
-    return accuracy(config, params, prompts, 12 if quick else 256, seed=4)
+    # ~1.1 s per decode step on 2 CPU cores: 128 teacher-forced steps, no free run.
+    return accuracy(config, params, prompts, 12 if quick else ONE_B_STEPS, seed=4,
+                    formats=("float32", *QUANTIZED), free_run=False)
 
 
 # ---------------------------------------------------------------------------- tokens/s
@@ -315,7 +324,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     from tqdm import tqdm
 
-    parts = ["capacity", "round trip", "fixtures", "1B-shape model", "tokens/s"]
+    parts = ["capacity", "round trip", "tokens/s", "fixtures", "1B-shape model"]  # timing first, on a quiet machine
     bar = tqdm(parts, desc="quantized", leave=False)
     result = {"config": {"quick": args.quick, "formats": FORMATS, "block_size": BLOCK_SIZE,
                          "budget_bytes": BUDGET_BYTES},
@@ -326,14 +335,14 @@ def main(argv: list[str] | None = None) -> dict:
     bar.set_postfix_str("round trip")
     result["round_trip_relative_rms"] = round_trip(args.quick)
     bar.update()
+    bar.set_postfix_str("tokens/s")
+    result["throughput"] = throughput(args.quick)
+    bar.update()
     bar.set_postfix_str("fixtures")
     result["accuracy"] = fixture_accuracy(args.quick)
     bar.update()
     bar.set_postfix_str("1B-shape model")
     result["accuracy_1b_shape"] = None if args.quick else random_model_accuracy(args.quick)
-    bar.update()
-    bar.set_postfix_str("tokens/s")
-    result["throughput"] = throughput(args.quick)
     bar.update()
     bar.close()
 
@@ -375,8 +384,9 @@ def print_tables(result: dict) -> None:
               f"{'ppl change':>11} {'first divergence':>18}")
         for name, per in acc.items():
             for fmt, a in per.items():
+                div = "-" if a["first_divergence"] is None else str(a["first_divergence"])
                 print(f"{name:<8} {fmt:<14} {a['steps']:>6} {a['max_logit_error']:>13.4f} {a['mean_logit_error']:>9.5f} "
-                      f"{a['greedy_agreement']:>7.3f} {a['perplexity_change']:>+11.5f} {str(a['first_divergence']):>18}")
+                      f"{a['greedy_agreement']:>7.3f} {a['perplexity_change']:>+11.5f} {div:>18}")
     tp = result["throughput"]
     print(f"\nEngine under one KV budget ({tp['budget_bytes'] / 2**20:.1f} MiB, {tp['num_requests']} ShareGPT-like "
           f"requests, max_model_len {tp['max_model_len']})")
@@ -387,3 +397,35 @@ def print_tables(result: dict) -> None:
         print(f"{fmt:<14} {r['blocks']:>7} {r['peak_running_batch']:>11} {r['num_preemptions']:>8} "
               f"{r['tokens_per_s']:>9.1f} {r['tokens_per_s_over_bf16']:>8.2f} {r['outputs_identical_to_' + base]:>17.2f}")
     print("\nheadline:", {k: v if v is None else round(v, 4) for k, v in result["headline"].items()})
+
+
+def markdown(result: dict) -> str:
+    """The study's tables in Markdown (for README / docs/RESULTS.md):
+    ``python -c "import json, experiments.quantized as q; print(q.markdown(json.load(open('docs/results/quantized.json'))))"``."""
+    lines = ["| model | format | bytes/token | blocks in 8 GiB | batch of 2048-token seqs | vs bf16 |",
+             "|---|---|---:|---:|---:|---:|"]
+    for name, per in result["capacity"].items():
+        for fmt in FORMATS:
+            c = per[fmt]
+            lines.append(f"| {name} | {fmt} | {c['bytes_per_token']:.0f} | {c['blocks']} | {c['max_batch_2048']} | "
+                         f"{c['blocks'] / per['bfloat16']['blocks']:.2f} |")
+    lines += ["", "| keys with outlier channels | relative RMS error |", "|---|---:|"]
+    lines += [f"| {how} | {e:.4f} |" for how, e in result["round_trip_relative_rms"].items()]
+    lines += ["", "| model | format | steps | max abs logit error | mean | greedy agreement | ppl change | "
+              "free run: first divergence |", "|---|---|---:|---:|---:|---:|---:|---|"]
+    accs = dict(result["accuracy"])
+    if result.get("accuracy_1b_shape"):
+        accs["1b-shape (random)"] = result["accuracy_1b_shape"]
+    for name, per in accs.items():
+        for fmt, a in per.items():
+            div = "-" if a["first_divergence"] is None else ", ".join(map(str, a["first_divergence"]))
+            lines.append(f"| {name} | {fmt} | {a['steps']} | {a['max_logit_error']:.4f} | {a['mean_logit_error']:.5f} | "
+                         f"{a['greedy_agreement']:.3f} | {a['perplexity_change']:+.5f} | {div} |")
+    tp = result["throughput"]
+    base = next(iter(tp["formats"]))
+    lines += ["", f"| format | blocks | peak batch | preemptions | tokens/s | vs bf16 | outputs = {base}'s |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for fmt, r in tp["formats"].items():
+        lines.append(f"| {fmt} | {r['blocks']} | {r['peak_running_batch']} | {r['num_preemptions']} | "
+                     f"{r['tokens_per_s']:.0f} | {r['tokens_per_s_over_bf16']:.2f} | {r['outputs_identical_to_' + base]:.2f} |")
+    return "\n".join(lines)

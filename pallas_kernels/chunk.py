@@ -136,7 +136,6 @@ def paged_attention_chunk_grid(
     q: jax.Array,  # [batch, num_kv_heads, padded_rows, head_dim], rows r = t * group + g
     k_pages: jax.Array,  # [num_layers * num_kv_heads * num_blocks, block_size, head_dim]
     v_pages: jax.Array,  # same shape as k_pages
-    scales: tuple[jax.Array, jax.Array] | None,  # (k, v) [L * Hkv * N, bs or D], or None
     layer: jax.Array,  # int32[1]
     block_tables: jax.Array,  # int32[batch, padded_blocks_per_seq]
     lengths: jax.Array,  # int32[batch]
@@ -153,6 +152,7 @@ def paged_attention_chunk_grid(
     interpret: bool,
     mask_value: float,
     per_channel: bool = False,
+    scales: tuple[jax.Array, jax.Array] | None = None,  # (k, v) [L * Hkv * N, bs or D]: quantised pages
 ) -> jax.Array:
     """Builds the (batch, kv_head, row_block, split) grid; returns q-shaped output."""
     batch, num_kv_heads, padded_rows, head_dim = q.shape
@@ -289,7 +289,6 @@ def _paged_attention_chunk(
         q_rows,
         k_flat,
         v_flat,
-        scales,
         layer_index,
         block_tables,
         lengths,
@@ -305,6 +304,7 @@ def _paged_attention_chunk(
         interpret=interpret,
         mask_value=mask_value,
         per_channel=per_channel_scales,
+        scales=scales,
     )
     return _from_rows_layout(o, chunk, group)
 

@@ -128,7 +128,6 @@ def paged_attention_decode_grid(
     q: jax.Array,  # [batch, num_kv_heads, block_h, head_dim], group rows zero-padded
     k_pages: jax.Array,  # [num_layers * num_kv_heads * num_blocks, block_size, head_dim]
     v_pages: jax.Array,  # same shape as k_pages
-    scales: tuple[jax.Array, jax.Array] | None,  # (k, v) [L * Hkv * N, bs or D], or None
     layer: jax.Array,  # int32[1]
     block_tables: jax.Array,  # int32[batch, padded_blocks_per_seq]
     lengths: jax.Array,  # int32[batch]
@@ -142,6 +141,7 @@ def paged_attention_decode_grid(
     interpret: bool,
     mask_value: float,
     per_channel: bool = False,
+    scales: tuple[jax.Array, jax.Array] | None = None,  # (k, v) [L * Hkv * N, bs or D]: quantised pages
 ) -> jax.Array:
     """Builds the (batch, kv_head, split) grid; returns [batch, num_kv_heads, block_h, head_dim]."""
     batch, num_kv_heads, block_h, head_dim = q.shape
@@ -249,7 +249,6 @@ def _paged_attention_decode(
         q4,
         k_flat,
         v_flat,
-        scales,
         layer_index,
         block_tables,
         lengths,
@@ -262,6 +261,7 @@ def _paged_attention_decode(
         interpret=interpret,
         mask_value=mask_value,
         per_channel=per_channel_scales,
+        scales=scales,
     )
     return o[:, :, :group, :].reshape(batch, num_q_heads, head_dim)
 

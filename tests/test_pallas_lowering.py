@@ -315,3 +315,31 @@ def test_layer_copy_check_is_not_vacuous():
     )
     problems = _pages_reach_kernel_unsliced(text)
     assert any("layer-sized" in p for p in problems) and any("not a" in p for p in problems)
+
+
+# ------------------------------------------------------------------- quantised pages
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per-token", "per-channel"])
+@pytest.mark.parametrize("values", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("kernel", ["decode", "chunk"])
+def test_quantized_pages_lower_for_cuda(kernel, values, per_channel):
+    """Both kernels over int8 / float8 pages with bf16 scales held as uint16 bits
+    ([kv, N, bs] per token, [kv, N, D] per channel), q in bf16: the Triton lowering
+    accepts the scale loads and the in-kernel dequantisation."""
+    hq, hk, head_dim, block_size, batch, width = 16, 4, 128, 16, 8, 64
+    pages = _pages(values, head_dim, block_size, hk)
+    scales = S((hk, 1000, head_dim if per_channel else block_size), jnp.uint16)
+    if kernel == "decode":
+        def fn(q, k, v, ks, vs, bt, lengths):
+            return paged_attention_decode(q, k, v, bt, lengths, k_scales=ks, v_scales=vs,
+                                          per_channel_scales=per_channel, num_splits=2)
+        q = S((batch, hq, head_dim), jnp.bfloat16)
+        extra = ()
+    else:
+        def fn(q, k, v, ks, vs, bt, lengths, q_lens):
+            return paged_attention_chunk(q, k, v, bt, lengths, q_lens, k_scales=ks, v_scales=vs,
+                                         per_channel_scales=per_channel)
+        q = S((batch, 4, hq, head_dim), jnp.bfloat16)
+        extra = (S((batch,), jnp.int32),)
+    text = _export_for_cuda(fn, q, pages, pages, scales, scales, S((batch, width), jnp.int32),
+                            S((batch,), jnp.int32), *extra)
+    assert TRITON_CALL in text

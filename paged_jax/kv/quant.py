@@ -144,14 +144,12 @@ def scale_bits(scale: jax.Array) -> jax.Array:
     converted, or bitcast in a materialised copy, the whole scale pool per layer per
     step (``tests/test_model_hlo.py`` guards it). ``scale_values`` reads them back, in
     gathered tiles only."""
-    if SCALE_STORAGE == SCALE_DTYPE:
-        return scale.astype(SCALE_DTYPE)
     return jax.lax.bitcast_convert_type(scale.astype(SCALE_DTYPE), SCALE_STORAGE)
 
 
 def scale_values(stored: jax.Array) -> jax.Array:
     """Stored scales (``SCALE_STORAGE``, or any float) as float32."""
-    if stored.dtype == SCALE_STORAGE and SCALE_STORAGE != SCALE_DTYPE:
+    if stored.dtype == SCALE_STORAGE:
         stored = jax.lax.bitcast_convert_type(stored, SCALE_DTYPE)
     return stored.astype(jnp.float32)
 

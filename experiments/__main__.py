@@ -11,6 +11,7 @@ Studies (each a module with main(argv) that prints a table and writes DIR/<study
   multiturn     5-turn conversations keeping their history (claim C5): blocks stored, prefill
   eviction      eviction policies on one trace: prefix-cache hit rate vs pool size
   quantized     quantised KV pages (M10): capacity per byte budget, accuracy, tokens/s
+  speculative   speculative decoding (n-gram, draft model): tokens/s and steps saved vs k, batch
   kernel_bench  Pallas paged attention on a GPU (interpret-mode smoke with --quick on CPU)
   demo          the headline study in quick mode (what `make demo` runs)
   all           every CPU study
@@ -22,10 +23,10 @@ import importlib
 import sys
 
 STUDIES = ["allocator", "decode_step", "throughput", "compile_time", "beam", "parallel", "prefix", "multiturn",
-           "eviction", "quantized", "kernel_bench"]
+           "eviction", "quantized", "speculative", "kernel_bench"]
 DEMO = "throughput"  # the headline study
 CPU_STUDIES = ["allocator", "decode_step", "throughput", "compile_time", "beam", "parallel", "prefix", "multiturn",
-               "eviction", "quantized"]
+               "eviction", "quantized", "speculative"]
 
 
 def _run(name: str, argv: list[str]):

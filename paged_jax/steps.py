@@ -10,7 +10,10 @@ This module is the contract the engine codes against:
     logits, state, pages, status = fns.decode(params, state, pages, tokens, seq_ids)
 
 One call is one program: ``append_slots``, the copy-on-write block copies (all layers, one
-fused op), the K/V writes, attention and the LM head at each row's last new token. Decode
+fused op), the K/V writes, attention and the LM head at each row's last new token (at
+every fed token with ``all_logits=True``: speculative verification). ``prepare`` is the
+bookkeeping part alone, for steps that run more than one model (a draft beside the
+target, ``paged_jax.speculative``). Decode
 is a step of one token per row (``tokens int32[B, 1]``); there is no separate decode path.
 In the jitted functions ``state`` and ``pages`` are donated: use the returned ones, never
 the inputs again. Positions come from ``state.seq_lens``. The call is atomic: if any row's
@@ -70,8 +73,22 @@ def abstract_graphdef(model_config: ModelConfig) -> nnx.GraphDef:
     return nnx.split(abstract)[0]
 
 
-def _model_step(graphdef, cfg: ModelConfig, impl: str, params, state, pages, tokens, seq_ids, num_tokens):
-    """One step; see the module docstring. tokens: int32[B, T]."""
+class Prepared(NamedTuple):
+    """A step's bookkeeping before any model runs (``prepare``)."""
+
+    state: CacheState  # after append_slots
+    pages: Any  # after the copy-on-write copies
+    ctx: PagedContext  # slots, tables, lengths (including the new tokens), query lengths
+    positions: jax.Array  # int32[B, T]
+    start: jax.Array  # int32[B]: tokens each row held before the step
+    tokens: jax.Array  # int32[B, T], clipped into the vocabulary
+    status: jax.Array  # int32[B]
+    ok: jax.Array  # bool[]: every status is OK (else nothing was applied)
+
+
+def prepare(cfg: ModelConfig, state, pages, tokens, seq_ids, num_tokens) -> Prepared:
+    """append_slots, the copy-on-write copies and the attention context of a step
+    (module docstring): everything but the model. tokens: int32[B, T]."""
     b, t = tokens.shape
     seq_ids = seq_ids.astype(jnp.int32)
     num_tokens = num_tokens.astype(jnp.int32)
@@ -83,7 +100,7 @@ def _model_step(graphdef, cfg: ModelConfig, impl: str, params, state, pages, tok
     request = jnp.where(bad_token, -1, num_tokens)
 
     safe = jnp.clip(seq_ids, 0, state.max_seqs - 1)
-    start = state.seq_lens[safe]  # [B] tokens held before this step
+    start = state.seq_lens[safe]  # [B] tokens held before this step (padding rows: meaningless)
     state, res = append_slots(state, seq_ids, request, max_tokens=t)
     ok = jnp.all(res.status == Status.OK)
     status = jnp.where(bad_token, jnp.int32(Status.INVALID_TOKEN), res.status).astype(jnp.int32)
@@ -96,12 +113,31 @@ def _model_step(graphdef, cfg: ModelConfig, impl: str, params, state, pages, tok
         q_lens=jnp.where(real & ok, num_tokens, 0),
     )
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    attend = make_paged_attend(ctx, impl=impl)
     tokens = jnp.clip(tokens, 0, cfg.vocab_size - 1)
-    hidden, pages = forward(graphdef, params, tokens, positions, pages, attend)
-    last = jnp.clip(num_tokens - 1, 0, t - 1)
+    return Prepared(state, pages, ctx, positions, start, tokens, status, ok)
+
+
+def _all_logits(graphdef, params, hidden: jax.Array) -> jax.Array:
+    """f32[B, T, V] from hidden [B, T, H], the LM head run as one 2-D matmul (XLA:CPU ran
+    the 3-D dot several times slower)."""
+    b, t, h = hidden.shape
+    return logits_from_hidden(graphdef, params, hidden.reshape(b * t, h)).reshape(b, t, -1)
+
+
+def _model_step(graphdef, cfg: ModelConfig, impl: str, params, state, pages, tokens, seq_ids, num_tokens,
+                *, all_logits: bool = False):
+    """One step; see the module docstring. tokens: int32[B, T]. ``all_logits`` (static):
+    logits f32[B, T, V] at every fed position (speculative verification) instead of
+    f32[B, V] at each row's last."""
+    b, t = tokens.shape
+    prep = prepare(cfg, state, pages, tokens, seq_ids, num_tokens)
+    attend = make_paged_attend(prep.ctx, impl=impl)
+    hidden, pages = forward(graphdef, params, prep.tokens, prep.positions, prep.pages, attend)
+    if all_logits:
+        return _all_logits(graphdef, params, hidden), prep.state, pages, prep.status
+    last = jnp.clip(num_tokens.astype(jnp.int32) - 1, 0, t - 1)
     logits = logits_from_hidden(graphdef, params, hidden[jnp.arange(b), last])
-    return logits, state, pages, status
+    return logits, prep.state, pages, prep.status
 
 
 @functools.cache

@@ -23,26 +23,26 @@ from paged_jax.engine import ModelBackend
 VOCAB = 48
 
 
-def _readout(pages, state, seq_ids):
-    """logits f32[B, VOCAB] from every token each row holds (masked to its length)."""
+def _readout(pages, state, seq_ids, lens=None):
+    """logits f32[B, VOCAB] from the first ``lens`` (default: every) tokens each row
+    holds."""
     safe = jnp.maximum(seq_ids, 0)
     rows = jnp.maximum(state.block_tables[safe], 0)  # [B, P]
-    bs = pages.block_size
     toks = pages.k[0, 0][rows][..., 0].reshape(rows.shape[0], -1)  # [B, P * bs]
     pos = pages.v[0, 0][rows][..., 0].reshape(rows.shape[0], -1)
+    lens = state.seq_lens[safe] if lens is None else lens
     idx = jnp.arange(toks.shape[1])
-    held = idx[None, :] < state.seq_lens[safe][:, None]
+    held = idx[None, :] < lens[:, None]
     # Position must match the slot's logical index, or the KV is misplaced.
     consistent = jnp.where(held, pos == idx[None, :], True).all(axis=1)
     weight = jnp.cos(idx * 0.37) + 1.5
-    feat = jnp.where(held, toks * weight, 0.0).sum(axis=1) + state.seq_lens[safe] * 0.1
+    feat = jnp.where(held, toks * weight, 0.0).sum(axis=1) + lens * 0.1
     v = jnp.arange(VOCAB, dtype=jnp.float32)
     logits = jnp.sin(feat[:, None] * (v + 1) * 0.0137 + 0.5 * v) * 4.0
-    del bs
     return jnp.where(consistent[:, None], logits, jnp.nan)
 
 
-def _append(params, state, pages, tokens, seq_ids, num_tokens):
+def _append(params, state, pages, tokens, seq_ids, num_tokens, *, all_logits=False):
     del params
     width = tokens.shape[1]
     old_lens = state.seq_lens[jnp.maximum(seq_ids, 0)]
@@ -52,6 +52,9 @@ def _append(params, state, pages, tokens, seq_ids, num_tokens):
     pos = (old_lens[:, None] + jnp.arange(width)[None, :]).astype(jnp.float32)
     v_new = pos[None, :, :, None, None]
     pages = kv.write_tokens(pages, res.slot_mapping, k_new, v_new)
+    if all_logits:  # after each fed token: the row read up to it (speculative verification)
+        per_position = [_readout(pages, state, seq_ids, old_lens + t + 1) for t in range(width)]
+        return jnp.stack(per_position, axis=1), state, pages, res.status
     # Logits at each row's last new token = a function of the whole row after the append.
     return _readout(pages, state, seq_ids), state, pages, res.status
 

@@ -407,7 +407,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         np.testing.assert_array_equal(self.policy.free_blocks(self.state.pool), free)
 
 
-def run_machine(policy, shape, max_examples=30):
+def run_machine(policy, shape, max_examples=20):
     name = policy if isinstance(policy, str) else policy.name
     machine = type(f"Machine_{name}", (BlockManagerMachine,), {"policy_name": policy, "shape": shape})
     machine.TestCase.settings = settings(

@@ -102,7 +102,8 @@ def prompts():
     ]
 
 
-@pytest.mark.parametrize("name", QUANTIZED)
+# fp8 shares int8's per-token write and read paths (its numerics: tests/test_kv_quant.py).
+@pytest.mark.parametrize("name", ["int8", "int8_channel"])
 def test_quantized_outputs_do_not_depend_on_memory_pressure(prompts, name):
     """Each prompt alone (no pressure) vs all at once in a pool that preempts by swap,
     vs the prefix cache evicting under the same pool (a second pass hits), vs two

@@ -29,6 +29,8 @@ def _prefill_tokens(step: ScheduledStep) -> int:
     A row's fed token is a decode when it is the newest sampled token."""
     total = 0
     for seq, work in zip(step.seqs, step.plan.work, strict=True):
+        if work.spec:  # a speculative round feeds the newest token and proposals
+            continue
         n = len(work.tokens)
         decode = seq.num_computed + n == seq.num_tokens and seq.output_token_ids
         total += n - bool(decode)
@@ -87,6 +89,7 @@ class LLMEngine:
             compile_seconds=self.runner.compile_seconds - compiled_before,
             unshared_blocks=unshared,
             request_blocks=per_request,
+            speculated=sum(1 for w in step.plan.work if w.spec),
             phases={"schedule": t_sched - start, "run": t_run - t_sched, "update": end - t_run},
         )
         return finished
@@ -100,6 +103,11 @@ class LLMEngine:
         cache = self.scheduler.prefix_cache
         finished, generated, beams = [], 0, {}
         for i, (seq, work) in enumerate(zip(step.seqs, step.plan.work, strict=True)):
+            if work.spec:
+                generated += self._speculated(seq, work, i, result)
+                if seq.finished:
+                    finished.append(seq)
+                continue
             seq.num_computed += len(work.tokens)
             if cache is not None:  # before a beam step rewrites the histories
                 cache.record(seq, seq.num_computed - len(work.tokens), result.view)
@@ -120,6 +128,25 @@ class LLMEngine:
             else:
                 generated += advanced
         return finished, ended, generated
+
+    def _speculated(self, seq: Sequence, work, i: int, result: StepResult) -> int:
+        """Record one speculative round: the pending token and the ``a`` accepted
+        proposals are now computed (the device truncated the row to them), and ``a + 1``
+        tokens join the output, cut at a stop. Returns the tokens appended."""
+        accepted = int(result.accepted[i])
+        before = seq.num_computed
+        emitted = 0
+        for token, logprob in zip(result.spec_tokens[i, : accepted + 1], result.spec_logprobs[i], strict=False):
+            emitted += 1
+            if self._append_token(seq, int(token), float(logprob)):
+                break
+        # The row holds the pending token and the accepted proposals (the device truncated
+        # it to them); a stop among them ends the sequence there.
+        seq.num_computed = min(before + 1 + accepted, seq.num_tokens)
+        if (cache := self.scheduler.prefix_cache) is not None:
+            cache.record(seq, before, result.view)
+        self.stats.spec.record(work.spec, accepted, emitted)
+        return emitted
 
     def _beam_step(self, group: SequenceGroup) -> int | None:
         """One beam step once every beam has its candidates: the next beams (a parent and a

@@ -62,20 +62,11 @@ class RequestOutput:
     rejected: str | None = None  # why the request never ran (its completions are empty)
 
 
-def build_backend(
-    model, *, dtype: str, seed: int, attention_impl: str, block_size: int, kv_cache_dtype: str = "auto"
-) -> ModelBackend:
-    """A ``ModelBackend`` from a checkpoint directory or a ``ModelConfig`` (random weights),
-    its KV pages in ``kv_cache_dtype`` (``kv.quant``)."""
-    if isinstance(model, ModelBackend):
-        if kv_cache_dtype != "auto":
-            raise ValueError(
-                f"kv_cache_dtype={kv_cache_dtype!r} with a ModelBackend: the backend's init_pages decides "
-                "its page format; pass 'auto'"
-            )
-        return model
-    from paged_jax import kv
+def _load(model, *, dtype: str, seed: int):
+    """(ModelConfig, params, eos id or None, name) of a checkpoint directory or a
+    ``ModelConfig`` (random weights from ``seed``)."""
     from paged_jax.model import ModelConfig, init_params, load_model
+
     eos = None
     if isinstance(model, ModelConfig):
         config = model.replace(dtype=dtype)
@@ -94,19 +85,65 @@ def build_backend(
         raise ValueError(
             f"model={model!r}: expected a local HF checkpoint directory, a ModelConfig or a ModelBackend"
         )
+    return config, params, eos, name
+
+
+def build_backend(
+    model, *, dtype: str, seed: int, attention_impl: str, block_size: int, kv_cache_dtype: str = "auto",
+    speculative=None,
+) -> ModelBackend:
+    """A ``ModelBackend`` from a checkpoint directory or a ``ModelConfig`` (random weights),
+    its KV pages in ``kv_cache_dtype`` (``kv.quant``). With a draft-model
+    ``speculative`` config the backend runs the draft beside the target, its KV in the
+    same blocks (``paged_jax.speculative``)."""
+    draft = speculative is not None and speculative.method == "draft_model"
+    if isinstance(model, ModelBackend):
+        if kv_cache_dtype != "auto":
+            raise ValueError(
+                f"kv_cache_dtype={kv_cache_dtype!r} with a ModelBackend: the backend's init_pages decides "
+                "its page format; pass 'auto'"
+            )
+        if draft:
+            raise ValueError("speculative method 'draft_model' needs the target as a checkpoint or ModelConfig, "
+                             "not a ModelBackend")
+        return model
+    from paged_jax import kv
     from paged_jax.steps import make_model_step
 
-    return ModelBackend(
+    config, params, eos, name = _load(model, dtype=dtype, seed=seed)
+
+    def pages_for(cfg):
+        return lambda num_blocks: kv.init_pages(cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size,
+                                                cfg.head_dim, dtype, kv_cache_dtype)
+
+    backend = ModelBackend(
         step=make_model_step(config, attention_impl),
         params=params,
-        init_pages=lambda num_blocks: kv.init_pages(
-            config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim, dtype,
-            kv_cache_dtype,
-        ),
+        init_pages=pages_for(config),
         vocab_size=config.vocab_size,
         eos_token_id=eos,
         max_position=config.max_seq_len,
         name=name,
+    )
+    if not draft:
+        return backend
+    from paged_jax.model import ModelConfig
+    from paged_jax.speculative import DraftPages, check_draft, make_draft_steps
+
+    target_pages = pages_for(config)
+    if isinstance(speculative.model, ModelConfig):
+        check_draft(config, speculative.model)  # before building its weights
+    # A ModelConfig draft gets random weights from the same seed: the target's own config
+    # gives the target's own weights (acceptance 1, the machinery's pure overhead).
+    draft_config, draft_params, _, draft_name = _load(speculative.model, dtype=dtype, seed=seed)
+    steps = make_draft_steps(config, draft_config, attention_impl, speculative.num_speculative_tokens)
+    draft_pages = pages_for(draft_config)
+    return backend._replace(
+        step=steps.step,
+        params=(params, draft_params),
+        init_pages=lambda num_blocks: DraftPages(target_pages(num_blocks), draft_pages(num_blocks)),
+        name=f"{name}, draft {draft_name}",
+        propose=steps.propose,
     )
 
 
@@ -160,6 +197,12 @@ class LLM:
         checked against the block's token ids and salt (and, for a hash that is not
         collision-resistant, its parent block), so a collision is a miss, never another
         sequence's KV.
+      speculative_config: speculative decoding (``speculative.py``), vLLM's keys:
+        ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+        "prompt_lookup_min": 1}`` or ``{"method": "draft_model", "model": <checkpoint
+        directory or ModelConfig>, "num_speculative_tokens": k}``. Greedy outputs are
+        unchanged; sampled ones keep the target's distribution. Not with beam search.
+        A draft model's KV shares the target's blocks (``bytes_per_block`` counts both).
       debug_checks: check every invariant after every op and step (slow; for tests).
     """
 
@@ -188,6 +231,7 @@ class LLM:
         enable_prefix_caching: bool = False,
         eviction_policy="lru",
         prefix_cache_hash="sha256",
+        speculative_config: dict | None = None,
         debug_checks: bool = False,
     ):
         if not isinstance(share_blocks, bool):
@@ -199,6 +243,9 @@ class LLM:
 
         get_eviction_policy(eviction_policy)
         get_hash(prefix_cache_hash)
+        from paged_jax.engine.speculative import SpeculativeConfig
+
+        speculative = None if speculative_config is None else SpeculativeConfig.from_dict(speculative_config)
         kv_format(kv_cache_dtype)
         if not isinstance(model, ModelBackend):
             from paged_jax.attention.dispatch import check_reads
@@ -227,7 +274,7 @@ class LLM:
         )
         backend = build_backend(
             model, dtype=dtype, seed=seed, attention_impl=attention_impl, block_size=block_size,
-            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_dtype=kv_cache_dtype, speculative=speculative,
         )
 
         bytes_per_block = kv_bytes_per_block(jax.eval_shape(lambda: backend.init_pages(1)))
@@ -256,6 +303,12 @@ class LLM:
             )
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(min(max(max_model_len, max_num_seqs), 2048), max_num_seqs)
+        if speculative is not None and speculative.num_speculative_tokens + 1 > blocks_per_seq * block_size:
+            raise ValueError(
+                f"num_speculative_tokens={speculative.num_speculative_tokens}: a round feeds k + 1 tokens, more "
+                f"than a block-table row holds ({blocks_per_seq} blocks of {block_size} tokens)"
+            )
+        self.speculative = speculative
 
         self.kv_cache = kv_cache
         self.kv_cache_dtype = kv_cache_dtype
@@ -280,6 +333,7 @@ class LLM:
                 allocation_policy=allocation_policy,
                 debug=debug_checks,
                 prefix_caching=enable_prefix_caching,
+                num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
             ),
             swap_space_blocks=swap_space_blocks,
         )
@@ -300,6 +354,7 @@ class LLM:
                 victim_policy=victim_policy,
                 admission_lookahead=admission_lookahead,
                 share_blocks=share_blocks,
+                speculative=speculative,
             ),
             self.runner,
             accounting,
@@ -369,6 +424,9 @@ class LLM:
         for i, p in enumerate(params):
             if not isinstance(p, SamplingParams | BeamSearchParams):
                 raise ValueError(f"sampling_params[{i}]={p!r}: expected SamplingParams or BeamSearchParams")
+            if isinstance(p, BeamSearchParams) and self.speculative is not None:
+                raise ValueError(f"request {i}: beam search with speculative decoding is not supported "
+                                 f"(speculative method {self.speculative.method!r})")
         rejected = {}
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             self._validate_prompt(i, prompt)
@@ -496,7 +554,8 @@ class LLM:
             blocks_swapped_out=c.blocks_swapped_out,
             blocks_swapped_in=c.blocks_swapped_in,
             swap_fallbacks=c.swap_fallbacks,
-            compiles=self.runner.traces["prefill"] + self.runner.traces["decode"],
+            compiles=self.runner.traces["prefill"] + self.runner.traces["decode"] + self.runner.traces["verify"],
+            speculative=None if self.speculative is None else self.speculative.method,
             compile_seconds=self.runner.compile_seconds,
             tokens_per_s_excl_compile=(
                 out["generated_tokens"] / max(out["seconds"] - self.runner.compile_seconds, 1e-9)

@@ -10,8 +10,10 @@ parameters) and executes one ``StepPlan`` per engine step with ``run``:
    cached-free blocks the step's allocations need;
 3. swap-ins: rebuild the rows of returning requests in fresh blocks (shared blocks
    shared again, ``cache.restore_rows``) and write their data back;
-4. the model steps: one decode call for every single-token append, prefill calls for the
-   chunks (``buckets.plan_prefill``), each fused with the sampler;
+4. the model steps: one decode call for every single-token append, one verification
+   call for the rows that speculate (``engine/speculative.py``: proposals fed, accepted
+   ones kept, the rest rolled back by ``truncate`` in the same program), prefill calls
+   for the chunks (``buckets.plan_prefill``), each fused with the sampler;
 5. a snapshot of the block manager (``cache.snapshot``);
 
 and then brings everything the host needs back in **one** device fetch: sampled tokens,
@@ -53,9 +55,12 @@ from paged_jax.cache import (
     restore_rows,
     select_parents,
     snapshot,
+    truncate,
     unshare,
 )
+from paged_jax.cache.sentinels import NO_SEQ
 from paged_jax.config import CacheConfig
+from paged_jax.engine import speculative
 from paged_jax.engine.sampling import sample, top_logprobs
 from paged_jax.engine.swap import HostSwapPool, SwappedBlocks
 from paged_jax.kv.pages import block_axis, bytes_per_block, copy_blocks, read_blocks, write_blocks
@@ -78,6 +83,11 @@ class ModelBackend(NamedTuple):
       eos_token_id: stops generation unless ``ignore_eos``; None if the model has none.
       max_position: longest sequence the model supports (None: unbounded).
       name: a short description for reports.
+      propose: with a draft model, its proposal program (``paged_jax.speculative``:
+        ``propose(params, state, pages, last, seq_ids, num_tokens, temperature, top_k,
+        top_p, seeds, steps) -> (proposals, q, logits, state, pages, status)``); None
+        otherwise. Speculation without it (n-gram) needs ``step`` to accept
+        ``all_logits=True`` (logits at every fed token).
     """
 
     step: Callable
@@ -87,6 +97,7 @@ class ModelBackend(NamedTuple):
     eos_token_id: int | None = None
     max_position: int | None = None
     name: str = "model"
+    propose: Callable | None = None
 
 
 class SampleRow(NamedTuple):
@@ -105,6 +116,10 @@ class Work(NamedTuple):
 
     ``top`` > 0 also asks for the ``top`` most likely next tokens and their
     log-probabilities, of ``log_softmax(logits / top_temperature)`` (0: the model's own).
+
+    ``spec`` > 0 makes it a speculative round of ``spec`` proposals: ``tokens`` is the
+    pending token followed by the n-gram proposals, or the pending token alone when the
+    backend's draft model proposes on the device.
     """
 
     slot: int
@@ -112,6 +127,7 @@ class Work(NamedTuple):
     sample: SampleRow
     top: int = 0
     top_temperature: float = 0.0
+    spec: int = 0
 
 
 class SwapIn(NamedTuple):
@@ -162,6 +178,10 @@ class StepResult(NamedTuple):
     top_ids: np.ndarray  # int32[len(work), max top]
     swapped: list[SwappedBlocks]  # one per plan.swap_out entry
     view: HostView  # the block manager after the step
+    accepted: np.ndarray | None = None  # int32[len(work)]: proposals kept (speculative rows)
+    spec_tokens: np.ndarray | None = None  # int32[len(work), k + 1]: kept proposals, then the new token
+    spec_logprobs: np.ndarray | None = None  # f32[len(work), k + 1]
+    proposed: np.ndarray | None = None  # int32[len(work), k]: the proposals (draft or n-gram)
 
 
 class _StepOut(NamedTuple):
@@ -170,6 +190,14 @@ class _StepOut(NamedTuple):
     status: Any  # int32[B_pad]
     top_logprobs: Any  # f32[B_pad, num_top]
     top_ids: Any  # int32[B_pad, num_top]
+
+
+class _VerifyOut(NamedTuple):
+    accepted: Any  # int32[B_pad]
+    tokens: Any  # int32[B_pad, k + 1]
+    logprobs: Any  # f32[B_pad, k + 1]
+    status: Any  # int32[B_pad]
+    proposals: Any  # int32[B_pad, k]
 
 
 def _all_greedy(rows: list[SampleRow]) -> bool:
@@ -199,6 +227,37 @@ def _fused(step: Callable) -> Callable:
         return _StepOut(toks, logprobs, status, top_lp, top_ids), state, pages
 
     fused = jax.jit(traced, donate_argnums=(1, 2), static_argnames=("greedy_only", "num_top"))
+    return fused
+
+
+@functools.cache
+def _fused_verify(step: Callable, propose: Callable | None) -> Callable:
+    """jit(one speculative round): the target over the proposals (n-gram: given; draft:
+    ``propose`` makes them in the same program), the acceptance rule, and ``truncate``
+    back to the accepted tokens: one program, state and pages donated."""
+
+    def traced(params, state, pages, tokens, seq_ids, num_tokens, temperature, top_k, top_p, seeds, steps, *,
+               greedy_only):
+        _TRACES[fused] += 1
+        seq_ids = seq_ids.astype(jnp.int32)
+        real = seq_ids != NO_SEQ
+        start = state.seq_lens[jnp.clip(seq_ids, 0, state.max_seqs - 1)]
+        if propose is None:
+            logits, state, pages, status = step(params, state, pages, tokens, seq_ids, num_tokens, all_logits=True)
+            proposals, draft_probs = tokens[:, 1:], None
+        else:
+            proposals, draft_probs, logits, state, pages, status = propose(
+                params, state, pages, tokens[:, 0], seq_ids, num_tokens, temperature, top_k, top_p, seeds, steps)
+            if greedy_only:
+                draft_probs = None  # greedy acceptance compares argmaxes
+        out = speculative.verify(logits, proposals, jnp.maximum(num_tokens - 1, 0), draft_probs, temperature,
+                                 top_k, top_p, seeds, steps, greedy_only=greedy_only)
+        # Keep the pending token and the accepted proposals; the new token is fed next round.
+        state, cut = truncate(state, jnp.where(real, seq_ids, NO_SEQ), jnp.where(real, start + 1 + out.accepted, 0))
+        status = jnp.where(status == 0, cut, status)
+        return _VerifyOut(out.accepted, out.tokens, out.logprobs, status, proposals), state, pages
+
+    fused = jax.jit(traced, donate_argnums=(1, 2), static_argnames=("greedy_only",))
     return fused
 
 
@@ -257,6 +316,7 @@ class RunnerConfig:
     allocation_policy: str = "lifo"
     debug: bool = False  # check the block manager's invariants after every op (slow)
     prefix_caching: bool = False  # plans may mark, evict and open rows on cached blocks
+    num_speculative_tokens: int = 0  # k: the verification call's width is k + 1
 
 
 class ModelRunner:
@@ -279,6 +339,7 @@ class ModelRunner:
         self.traces: collections.Counter[str] = collections.Counter()
         self.compile_seconds = 0.0  # wall time of model calls that traced
         self._step = _fused(backend.step)
+        self._verify = _fused_verify(backend.step, backend.propose) if config.num_speculative_tokens else None
         # Blocks one step can fill (marks) or take (evictions, swap-ins aside): a row fed
         # n tokens fills at most n // block_size + 1 blocks.
         self._block_batch = config.max_num_batched_tokens // config.block_size + config.max_num_seqs
@@ -309,16 +370,35 @@ class ModelRunner:
         self.view = HostView.from_snapshot(snap, self.config.block_size)
         tokens = np.zeros(len(plan.work), np.int32)
         logprobs = np.zeros(len(plan.work), np.float32)
-        width = max((out.top_ids.shape[1] for out in host_outs), default=0)
+        width = max((out.top_ids.shape[1] for out in host_outs if isinstance(out, _StepOut)), default=0)
         top_lp = np.zeros((len(plan.work), width), np.float32)
         top_ids = np.zeros((len(plan.work), width), np.int32)
+        spec = {}
         for out, positions in zip(host_outs, order, strict=True):
-            n, k = len(positions), out.top_ids.shape[1]
+            n = len(positions)
+            if isinstance(out, _VerifyOut):
+                spec = self._spec_result(out, positions, len(plan.work))
+                tokens[positions] = out.tokens[np.arange(n), out.accepted[:n]]
+                continue
+            k = out.top_ids.shape[1]
             tokens[positions] = out.tokens[:n]
             logprobs[positions] = out.logprobs[:n]
             top_lp[positions, :k] = out.top_logprobs[:n]
             top_ids[positions, :k] = out.top_ids[:n]
-        return StepResult(tokens, logprobs, top_lp, top_ids, swapped, self.view)
+        return StepResult(tokens, logprobs, top_lp, top_ids, swapped, self.view, **spec)
+
+    def _spec_result(self, out: _VerifyOut, positions: list[int], num_work: int) -> dict:
+        """The verification call's outputs scattered to the plan's work positions."""
+        n, k = len(positions), self.config.num_speculative_tokens
+        accepted = np.zeros(num_work, np.int32)
+        spec_tokens = np.zeros((num_work, k + 1), np.int32)
+        spec_logprobs = np.zeros((num_work, k + 1), np.float32)
+        proposed = np.zeros((num_work, k), np.int32)
+        accepted[positions] = out.accepted[:n]
+        spec_tokens[positions] = out.tokens[:n]
+        spec_logprobs[positions] = out.logprobs[:n]
+        proposed[positions] = out.proposals[:n]
+        return dict(accepted=accepted, spec_tokens=spec_tokens, spec_logprobs=spec_logprobs, proposed=proposed)
 
     def _read_swap_out(self, rows: list[int]) -> tuple[SwappedBlocks, Any]:
         """Host blocks for the distinct blocks ``rows`` name (shared ones once), and the
@@ -407,12 +487,16 @@ class ModelRunner:
     def _run_model(self, work: list[Work], statuses: list) -> tuple[list[_StepOut], list[list[int]]]:
         """Decode rows in one call, chunks in as few prefill calls as fit the area bound."""
         outs, order = [], []
-        decode = [i for i, w in enumerate(work) if len(w.tokens) == 1]
-        chunks = [i for i, w in enumerate(work) if len(w.tokens) > 1]
+        decode = [i for i, w in enumerate(work) if len(w.tokens) == 1 and not w.spec]
+        verify = [i for i, w in enumerate(work) if w.spec]
+        chunks = [i for i, w in enumerate(work) if len(w.tokens) > 1 and not w.spec]
         if decode:
             size = buckets.decode_rows(len(decode), self.config.max_num_seqs)
             outs.append(self._call("decode", [work[i] for i in decode], (size, 1), statuses))
             order.append(decode)
+        if verify:
+            outs.append(self._call_verify([work[i] for i in verify], statuses))
+            order.append(verify)
         area = buckets.prefill_area(self.config.max_num_batched_tokens)
         for rows, width, members in buckets.plan_prefill([len(work[i].tokens) for i in chunks], area,
                                                           self.config.max_num_seqs):
@@ -421,16 +505,47 @@ class ModelRunner:
             order.append(group)
         return outs, order
 
+    @staticmethod
+    def _sampling(items: list[Work], size: int) -> tuple:
+        """(temperature, top_k, top_p, seeds, steps) arrays of ``items`` padded to ``size``."""
+        rows = [w.sample for w in items] + [_PAD_SAMPLE] * (size - len(items))
+        cols = list(zip(*rows, strict=True))
+        return (np.asarray(cols[0], np.float32), np.asarray(cols[1], np.int32), np.asarray(cols[2], np.float32),
+                np.asarray(cols[3], np.uint32), np.asarray(cols[4], np.int32))
+
+    def _call_verify(self, items: list[Work], statuses: list) -> _VerifyOut:
+        """One speculative round for ``items`` (``Work.spec`` proposals each): rows padded
+        to a power of two, width k + 1."""
+        k = self.config.num_speculative_tokens
+        # Powers of two, not decode's multiples of 8: a row costs k + 1 tokens here, so
+        # padding a lone row to 8 would compute 8x its tokens (measured: a batch-1 k = 4
+        # round cost 2x a decode padded to 8 rows, ~1.2x padded to 1).
+        size = buckets.bucket(len(items), cap=self.config.max_num_seqs)
+        tokens = np.zeros((size, k + 1), np.int32)
+        num = np.zeros(size, np.int32)
+        for i, w in enumerate(items):
+            tokens[i, : len(w.tokens)] = w.tokens
+            num[i] = w.spec + 1
+        seq_ids = buckets.pad_ids([w.slot for w in items], size)
+        before = _TRACES[self._verify]
+        start = time.perf_counter()
+        out, self.cache_state, self.pages = self._verify(
+            self.params, self.cache_state, self.pages, tokens, seq_ids, num, *self._sampling(items, size),
+            greedy_only=_all_greedy([w.sample for w in items]),
+        )
+        if traced := _TRACES[self._verify] - before:
+            self.traces["verify"] += traced
+            self.compile_seconds += time.perf_counter() - start
+        statuses.append(("verify", seq_ids, out.status))
+        return out
+
     def _call(self, name: str, items: list[Work], shape: tuple[int, int], statuses: list) -> _StepOut:
         """One fused model call over ``items`` padded to ``shape``, counting any trace."""
         batch = buckets.pad_batch([w.slot for w in items], [w.tokens for w in items], shape=shape)
         rows = [w.sample for w in items]
-        rows += [_PAD_SAMPLE] * (shape[0] - len(rows))
-        cols = list(zip(*rows, strict=True))
         top_temperature = np.zeros(shape[0], np.float32)
         top_temperature[: len(items)] = [w.top_temperature for w in items]
-        sampling = (np.asarray(cols[0], np.float32), np.asarray(cols[1], np.int32), np.asarray(cols[2], np.float32),
-                    np.asarray(cols[3], np.uint32), np.asarray(cols[4], np.int32), top_temperature)
+        sampling = (*self._sampling(items, shape[0]), top_temperature)
         top = max(w.top for w in items)
         # One compiled width for every beam up to 8 (2W candidates) and for logprobs<=16:
         # a top-k of 16 costs no more than one of 4 next to the log-softmax it follows.

@@ -180,3 +180,45 @@ def top_logprobs(logits: jax.Array, temperature: jax.Array, k: int) -> tuple[jax
     logprobs = jax.nn.log_softmax(logits.astype(jnp.float32) / t, axis=-1)
     values, ids = jax.lax.top_k(logprobs, k)
     return values, ids.astype(jnp.int32)
+
+
+def sampling_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The distribution ``sample`` draws from, as probabilities in token-id order.
+
+    Args:
+      logits: f32[..., V]; temperature, top_k, top_p: per row, shaped like ``logits``
+        without the vocabulary axis (broadcastable). A greedy row (temperature 0) is
+        one-hot on its argmax (lowest id among ties, as ``jnp.argmax``).
+
+    Returns f32[..., V]: the softmax of ``logits / temperature`` restricted to the top-k
+    and top-p prefix of the ranking (ties ranked by id), renormalised: exactly the set and
+    the weights ``sample`` uses. Speculative decoding's acceptance rule needs these.
+    """
+    logits = logits.astype(jnp.float32)
+    vocab = logits.shape[-1]
+    temperature = jnp.broadcast_to(temperature, logits.shape[:-1])
+    top_k = jnp.broadcast_to(top_k, logits.shape[:-1])
+    top_p = jnp.broadcast_to(top_p, logits.shape[:-1])
+    scaled = logits / jnp.maximum(temperature, 1e-6)[..., None]
+    ids = jnp.broadcast_to(jnp.arange(vocab, dtype=jnp.int32), scaled.shape)
+    neg_sorted, order = jax.lax.sort_key_val(-scaled, ids, dimension=-1)
+    rank = jnp.arange(vocab)
+    keep = rank < jnp.where(top_k > 0, top_k, vocab)[..., None]
+    probs = jax.nn.softmax(jnp.where(keep, -neg_sorted, -jnp.inf), axis=-1)
+    keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[..., None]
+    kept = jnp.where(keep, probs, 0.0)
+    kept = kept / kept.sum(axis=-1, keepdims=True)
+    # Back from rank order to token-id order: position order[j] holds kept[j].
+    out = jnp.zeros_like(kept)
+    out = jnp.put_along_axis(out, order, kept, axis=-1, inplace=False)
+    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
+    return jnp.where((temperature == 0)[..., None], greedy, out)
+
+
+def draw(probs: jax.Array, seeds: jax.Array, steps: jax.Array) -> jax.Array:
+    """int32[...]: one token per row of ``probs`` f32[..., V] (need not be normalised; a
+    row of zeros gives the last token), by inverse CDF in token-id order with the uniform
+    ``_uniform(seeds, steps)``."""
+    cdf = jnp.cumsum(probs, axis=-1)
+    target = _uniform(seeds, steps) * cdf[..., -1]
+    return jnp.minimum((cdf <= target[..., None]).sum(axis=-1), probs.shape[-1] - 1).astype(jnp.int32)

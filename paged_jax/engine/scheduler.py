@@ -25,7 +25,13 @@ One step (``schedule``), under a token budget of ``max_num_batched_tokens``:
    the budget lasts, and the accounting admits them. Their first chunk runs this step.
    With prefix caching the leader starts on its cached blocks (``prefix_cache.py``) and
    is charged only for blocks no row holds yet.
-5. Prefix caching: "free" means the pool plus the cached-free blocks
+5. Speculative decoding (``speculative.py``): a decoding sequence of a sampling request
+   may feed its pending token plus ``m <= k`` proposals (n-gram proposals made here from
+   its tokens; a draft model's on the device), ``m`` capped by its remaining
+   ``max_tokens`` and the budget. Their blocks are counted like any append; when they
+   do not fit, the step is planned again without proposals before anyone is preempted,
+   so speculation never costs a preemption. The verification rolls back what it rejects.
+6. Prefix caching: "free" means the pool plus the cached-free blocks
    (``HostView.num_available``); when the step's allocations exceed the pool, that many
    cached-free blocks are evicted, in the eviction policy's order, at the end of the
    step's housekeeping.
@@ -53,6 +59,7 @@ from paged_jax.config import blocks_for
 from paged_jax.engine.prefix_cache import PrefixCache
 from paged_jax.engine.runner import ModelRunner, SampleRow, StepPlan, SwapIn, Work
 from paged_jax.engine.sequence import SeqStatus, Sequence, SequenceGroup
+from paged_jax.engine.speculative import SpeculativeConfig, ngram_propose
 from paged_jax.engine.victim import VictimPolicy, get_victim_policy
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -67,6 +74,7 @@ class SchedulerConfig:
     victim_policy: VictimPolicy | str = "most_recently_admitted"
     admission_lookahead: int = 0  # steps of running sequences' growth kept free at admission
     share_blocks: bool = True  # False: forks and beam selections copy every block (a baseline)
+    speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
 
     def __post_init__(self):
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -149,6 +157,9 @@ class Scheduler:
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))  # stack, row 0 first
         self._to_release: list[int] = []  # rows of sequences that finished last step
         self._clock = 0  # admissions so far: the victim policy's notion of "recent"
+        # This step's speculative rows: id(seq) -> n-gram proposals (a draft model's
+        # count as [None] * m: they are made on the device).
+        self._proposals: dict[int, list] = {}
         self.counters = SchedulerCounters()
 
     # ------------------------------------------------------------------ queues
@@ -177,9 +188,13 @@ class Scheduler:
         swapped_out: list[SequenceGroup] = []
         budget = cfg.max_num_batched_tokens
         preempted = False
+        attempts = (True, False) if cfg.speculative is not None else (False,)
         while True:
-            view, prep, work = self._plan_running(base, budget)
-            need = int(view.blocks_needed([s.slot for s, _ in work], [n for _, n in work]).sum())
+            for speculate in attempts:  # with proposals if they fit, else without
+                view, prep, work = self._plan_running(base, budget, speculate)
+                need = int(view.blocks_needed([s.slot for s, _ in work], [n for _, n in work]).sum())
+                if need <= view.num_available:
+                    break
             if need <= view.num_available:
                 break
             base = self._preempt(self._pick_victim(base), plan, base, swapped_out)
@@ -256,15 +271,31 @@ class Scheduler:
     def _rows_for(self, group: SequenceGroup) -> bool:
         return len(self._free_slots) >= len(group.live)
 
-    @staticmethod
-    def _work(seq: Sequence, n: int) -> Work:
+    def _work(self, seq: Sequence, n: int) -> Work:
         # The token index is the output length: the same whenever this token is sampled.
         p, group = seq.params, seq.group
         if group is not None and group.beam is not None:
             return Work(seq.slot, seq.pending_token_ids(n), SampleRow(0.0, -1, 1.0, 0, 0),
                         top=group.beam.num_candidates, top_temperature=p.temperature)
-        return Work(seq.slot, seq.pending_token_ids(n),
-                    SampleRow(p.temperature, p.top_k, p.top_p, seq.seed, len(seq.output_token_ids)))
+        row = SampleRow(p.temperature, p.top_k, p.top_p, seq.seed, len(seq.output_token_ids))
+        proposals = self._proposals.get(id(seq))
+        if proposals:
+            fed = seq.pending_token_ids(1) + [t for t in proposals if t is not None]
+            return Work(seq.slot, fed, row, spec=len(proposals))
+        return Work(seq.slot, seq.pending_token_ids(n), row)
+
+    def _propose(self, seq: Sequence, budget: int) -> list:
+        """This round's proposals for a decoding ``seq`` (at most ``budget``; none for a
+        beam member or a sequence one token from its end)."""
+        spec = self.config.speculative
+        if seq.group.beam is not None or not seq.output_token_ids:
+            return []
+        m = min(spec.num_speculative_tokens, seq.max_tokens - len(seq.output_token_ids) - 1, budget)
+        if m <= 0:
+            return []
+        if spec.method == "ngram":
+            return ngram_propose(seq.token_ids(), m, spec.prompt_lookup_max, spec.prompt_lookup_min)
+        return [None] * m
 
     def _growth_reserve(self, work: list[tuple[Sequence, int]]) -> int:
         """Blocks the running sequences will take over the next ``admission_lookahead``
@@ -285,10 +316,11 @@ class Scheduler:
                 total += blocks_for(min(s.num_tokens + k, final), bs) - blocks_for(held, bs)
         return total
 
-    def _plan_running(self, view: HostView, budget: int) -> tuple[HostView, _Prep, list[tuple[Sequence, int]]]:
+    def _plan_running(self, view: HostView, budget: int, speculate: bool = False
+                      ) -> tuple[HostView, _Prep, list[tuple[Sequence, int]]]:
         """The running groups' row-making ops and work, without committing anything:
-        decodes first (1 token each), then prefill chunks in admission order. Returns the
-        view after the ops."""
+        decodes first (1 token each), then their proposals (``speculate``), then prefill
+        chunks in admission order. Returns the view after the ops."""
         prep = _Prep()
         pending = []  # (seq, tokens it may feed now) in admission order
         for group in self.running:
@@ -326,6 +358,13 @@ class Scheduler:
                 view = view.unshared(prep.unshare)
         work = [(s, 1) for s, todo in pending if todo == 1]
         budget -= len(work)
+        self._proposals = {}
+        if speculate:
+            for i, (s, _) in enumerate(work):
+                if proposals := self._propose(s, budget):
+                    self._proposals[id(s)] = proposals
+                    work[i] = (s, 1 + len(proposals))
+                    budget -= len(proposals)
         for s, todo in pending:
             if todo > 1 and budget > 0:
                 n = min(todo, budget)

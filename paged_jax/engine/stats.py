@@ -23,6 +23,11 @@ sequences until the last finishes. The summary splits the run at the last step t
 ended with a request waiting: ``saturated_*`` covers that step and those before it,
 ``drain_*`` the rest. Their tokens per second exclude compile time, as
 ``tokens_per_s_excl_compile`` does.
+
+Speculative decoding (``SpecCounters``): proposed and accepted tokens over every
+verification round, the acceptance rate, the tokens a round emits on average
+(accepted + 1) and the target steps saved (accepted tokens: each would have cost a
+decode step of its own).
 """
 
 from __future__ import annotations
@@ -43,6 +48,32 @@ class StepRecord(NamedTuple):
     compile_seconds: float  # of this step's time
     unshared_blocks: int = 0  # blocks the live sequences would hold with nothing shared
     prefilled: int = 0  # prompt (or recomputed) tokens this step fed in chunks
+    speculated: int = 0  # rows that ran a speculative round this step
+
+
+@dataclasses.dataclass
+class SpecCounters:
+    rounds: int = 0  # verification rows (one per speculating sequence per step)
+    proposed: int = 0
+    accepted: int = 0
+    emitted: int = 0  # tokens the rounds appended (accepted + the new one, cut at a stop)
+
+    def record(self, proposed: int, accepted: int, emitted: int) -> None:
+        self.rounds += 1
+        self.proposed += proposed
+        self.accepted += accepted
+        self.emitted += emitted
+
+    def summary(self) -> dict:
+        return {
+            "spec_rounds": self.rounds,
+            "spec_proposed_tokens": self.proposed,
+            "spec_accepted_tokens": self.accepted,
+            "spec_acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+            "spec_mean_accepted_per_round": self.accepted / self.rounds if self.rounds else 0.0,
+            "spec_mean_tokens_per_round": self.emitted / self.rounds if self.rounds else 0.0,
+            "spec_target_steps_saved": self.accepted,
+        }
 
 
 @dataclasses.dataclass
@@ -66,6 +97,7 @@ class EngineStats:
     request_blocks: dict = dataclasses.field(default_factory=dict)  # request id -> (peak physical, peak unshared)
     phase_seconds: dict = dataclasses.field(default_factory=dict)
     timeline: list[StepRecord] = dataclasses.field(default_factory=list)
+    spec: SpecCounters = dataclasses.field(default_factory=SpecCounters)
 
     def record_step(
         self,
@@ -82,6 +114,7 @@ class EngineStats:
         phases: dict | None = None,
         unshared_blocks: int | None = None,
         request_blocks: dict | None = None,
+        speculated: int = 0,
     ) -> None:
         """One engine step: ``batch`` sequences ran, ``generated`` tokens were sampled;
         ``waiting`` requests were still not running after it (waiting or swapped out);
@@ -106,7 +139,7 @@ class EngineStats:
             self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + sec
         self.timeline.append(
             StepRecord(self.step_seconds, batch, tokens_held, charged_blocks, generated, waiting, compile_seconds,
-                       unshared, prefilled)
+                       unshared, prefilled, speculated)
         )
         if charged_blocks:
             self.util_sum += tokens_held / (charged_blocks * self.block_size)
@@ -133,6 +166,7 @@ class EngineStats:
             "num_blocks": self.num_blocks,
             "phase_seconds": dict(self.phase_seconds),
             **self._phases(),
+            **self.spec.summary(),
         }
 
     def _phases(self) -> dict:

@@ -111,3 +111,23 @@ def test_quantized_study_runs_and_writes_its_json(tmp_path):
     assert h["fp8_greedy_agreement"] is None  # not measured in quick mode
     assert json.loads((tmp_path / "quantized.json").read_text())["headline"]
     assert (tmp_path / "quantized.png").stat().st_size > 0
+
+
+def test_speculative_study_runs_and_writes_its_json(tmp_path, monkeypatch):
+    """The speculative study's wiring in quick mode on tiny random models (its greedy
+    outputs must equal plain decoding's in every run)."""
+    from experiments import speculative
+
+    monkeypatch.setattr(speculative, "study_model", _tiny_model)
+    monkeypatch.setattr(speculative, "small_draft", lambda config: config.replace(num_layers=1))
+    monkeypatch.setattr(speculative, "QUICK", dict(speculative.QUICK, max_tokens=12, ks_batch1=(4,)))
+    set_debug_checks(False)
+    result = speculative.main(["--quick", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "speculative.json").read_text())
+    assert (tmp_path / "speculative.png").stat().st_size > 0
+    h = saved["headline"]
+    assert h == result["headline"] and h["all_outputs_identical"]
+    assert set(h) >= {"ngram_speedup_batch1", "verify_step_cost_k4", "draft_self_speedup_batch1"}
+    rows = {(r["method"], r["k"]): r for r in saved["rows"]}
+    assert rows[("draft_model:self", 4)]["acceptance_rate"] == 1.0  # the draft is the target
+    assert all(r["tokens_per_s"] > 0 and r["steps_per_output_token"] <= 1.0 + 1e-9 for r in saved["rows"])

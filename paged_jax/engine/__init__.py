@@ -17,11 +17,13 @@ from paged_jax.engine.runner import ModelBackend
 from paged_jax.engine.sampling import SamplingParams, sample
 from paged_jax.engine.scheduler import PREEMPTION_MODES
 from paged_jax.engine.sequence import SeqInfo, Sequence, SequenceGroup
+from paged_jax.engine.speculative import SpeculativeConfig, ngram_propose
 from paged_jax.engine.victim import VICTIM_POLICIES, VictimPolicy, get_victim_policy
 
 __all__ = [
     "LLM", "PREEMPTION_MODES", "VICTIM_POLICIES", "BeamSearchOutput", "BeamSearchParams",
     "BeamSearchSequence", "CompletionOutput", "Conversation", "ModelBackend",
     "PagedAccounting", "RequestOutput", "SamplingParams", "SeqInfo", "Sequence", "SequenceGroup",
-    "StaticAccounting", "VictimPolicy", "build_backend", "get_victim_policy", "sample",
+    "SpeculativeConfig", "StaticAccounting", "VictimPolicy", "build_backend", "get_victim_policy", "ngram_propose",
+    "sample",
 ]

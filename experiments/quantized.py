@@ -266,13 +266,14 @@ def throughput(quick: bool) -> dict:
     bf16 = jax.eval_shape(lambda: init_pages(config.num_layers, config.num_kv_heads, 1, BLOCK_SIZE,
                                              config.head_dim, "float32", "bfloat16"))
     budget = 8 * per_seq * bytes_per_block(bf16)
-    reqs = workloads.sharegpt_like(12 if quick else 160, max_model_len=max_model_len, vocab_size=config.vocab_size)
+    # --quick: few requests and rows, so the smoke test compiles few batch shapes.
+    reqs = workloads.sharegpt_like(6 if quick else 160, max_model_len=max_model_len, vocab_size=config.vocab_size)
     prompts = [list(r.prompt_token_ids) for r in reqs]
     params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
     out, outputs = {}, {}
     for fmt in formats:
         llm = LLM(config, block_size=BLOCK_SIZE, kv_cache_memory_bytes=budget, kv_cache_dtype=fmt,
-                  max_num_seqs=64, max_model_len=max_model_len, max_num_batched_tokens=1024,
+                  max_num_seqs=8 if quick else 64, max_model_len=max_model_len, max_num_batched_tokens=1024,
                   attention_impl="xla", admission_lookahead=16)
         llm.generate(prompts[:4], params[:4], use_tqdm=False)  # compile the common shapes
         llm.reset_stats()

@@ -56,13 +56,18 @@ def _prompts(n, seed=0):
     return [rng.integers(0, VOCAB, rng.integers(2, 30)).tolist() for _ in range(n)]
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode", ["recompute", "swap", "speculative"])
 def test_one_device_fetch_per_engine_step(mode):
-    """Admissions, finishes, preemptions, swaps and the step itself: one fetch a step."""
+    """Admissions, finishes, preemptions, swaps, speculative rounds (verification and
+    rollback) and the step itself: one fetch a step."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3} if mode == "speculative" else None
     llm = LLM(fake_backend(BS), block_size=BS, num_gpu_blocks=26, max_model_len=48, max_num_seqs=4,
-              max_num_batched_tokens=16, preemption_mode=mode)
+              max_num_batched_tokens=16, preemption_mode="recompute" if spec else mode, speculative_config=spec)
     params = SamplingParams(temperature=0, max_tokens=12)
-    llm.add_requests(_prompts(12), params)
+    prompts = _prompts(12)
+    if spec:  # phrases that repeat, so prompt lookup proposes
+        prompts = [(p[:3] * 8)[: len(p) + 3] for p in prompts]
+    llm.add_requests(prompts, params)
     engine = llm.engine
     engine.step()  # compile outside the count (compiles do not fetch, but keep it simple)
     per_step = []
@@ -78,6 +83,8 @@ def test_one_device_fetch_per_engine_step(mode):
     stats = llm.stats()
     assert stats["num_preemptions"] > 0
     assert llm.runner.num_free_blocks() == 26
+    if spec:
+        assert stats["spec_rounds"] > 0
 
 
 # ----------------------------------------------------------------------------- group-aware accounting

@@ -41,7 +41,7 @@ FAKE = dict(block_size=4, max_num_seqs=6, max_model_len=64, max_num_batched_toke
 
 @pytest.mark.parametrize(
     "setting",
-    ["roomy", "stop", "recompute", "swap", "n2", "prefix", "static"],
+    ["stop", "recompute", "swap", "n2", "prefix", "static"],  # "stop" runs without pressure
 )
 def test_greedy_outputs_equal_plain_decoding_on_the_fake(setting):
     rng = np.random.default_rng(11)
@@ -116,7 +116,7 @@ REAL = dict(block_size=8, max_num_seqs=4, max_model_len=64, max_num_batched_toke
 
 @pytest.fixture(scope="module")
 def real_prompts():
-    return _repetitive(np.random.default_rng(5), 6, 256, lo=8, hi=30)
+    return _repetitive(np.random.default_rng(5), 5, 256, lo=8, hi=30)
 
 
 @pytest.fixture(scope="module")

@@ -260,6 +260,10 @@ def test_k_above_a_table_row_and_draft_vocabulary_and_beam_search():
         LLM(target, num_gpu_blocks=16, max_num_seqs=2,
             speculative_config={"method": "draft_model", "model": target.replace(vocab_size=65),
                                 "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="max_model_len=48 exceeds the model's maximum length 32"):
+        LLM(target, num_gpu_blocks=16, max_num_seqs=2, max_model_len=48,  # the draft must fit the sequences too
+            speculative_config={"method": "draft_model", "model": target.replace(max_position_embeddings=32),
+                                "num_speculative_tokens": 2})
     llm = LLM(fake_backend(), num_gpu_blocks=16, max_num_seqs=2, max_model_len=32,
               speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="beam search with speculative decoding is not supported"):

@@ -131,8 +131,12 @@ def build_backend(
     from paged_jax.speculative import DraftPages, check_draft, make_draft_steps
 
     target_pages = pages_for(config)
-    if isinstance(speculative.model, ModelConfig):
-        check_draft(config, speculative.model)  # before building its weights
+    # The draft's shape is checked before its weights are built or read.
+    draft_shape = speculative.model
+    if isinstance(draft_shape, (str, os.PathLike)) and os.path.isdir(draft_shape):
+        draft_shape = ModelConfig.from_hf(draft_shape)
+    if isinstance(draft_shape, ModelConfig):
+        check_draft(config, draft_shape)
     # A ModelConfig draft gets random weights from the same seed: the target's own config
     # gives the target's own weights (acceptance 1, the machinery's pure overhead).
     draft_config, draft_params, _, draft_name = _load(speculative.model, dtype=dtype, seed=seed)
@@ -144,6 +148,8 @@ def build_backend(
         init_pages=lambda num_blocks: DraftPages(target_pages(num_blocks), draft_pages(num_blocks)),
         name=f"{name}, draft {draft_name}",
         propose=steps.propose,
+        # Sequences must fit both models (the draft sees every token too).
+        max_position=min(config.max_seq_len, draft_config.max_seq_len),
     )
 
 

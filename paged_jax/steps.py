@@ -13,9 +13,8 @@ One call is one program: ``append_slots``, the copy-on-write block copies (all l
 fused op), the K/V writes, attention and the LM head at each row's last new token (at
 every fed token with ``all_logits=True``: speculative verification). ``prepare`` is the
 bookkeeping part alone, for steps that run more than one model (a draft beside the
-target, ``paged_jax.speculative``). Decode
-is a step of one token per row (``tokens int32[B, 1]``); there is no separate decode path.
-In the jitted functions ``state`` and ``pages`` are donated: use the returned ones, never
+target, ``paged_jax.engine.draft``). Decode is a step of one token per row
+(``tokens int32[B, 1]``); there is no separate decode path. In the jitted functions ``state`` and ``pages`` are donated: use the returned ones, never
 the inputs again. Positions come from ``state.seq_lens``. The call is atomic: if any row's
 status is not ``Status.OK`` (0) the returned state equals the input and the pages are
 unchanged (the slot mapping is all -1, so writes drop, and no copy is made); the logits

@@ -95,7 +95,7 @@ def build_backend(
     """A ``ModelBackend`` from a checkpoint directory or a ``ModelConfig`` (random weights),
     its KV pages in ``kv_cache_dtype`` (``kv.quant``). With a draft-model
     ``speculative`` config the backend runs the draft beside the target, its KV in the
-    same blocks (``paged_jax.speculative``)."""
+    same blocks (``paged_jax.engine.draft``)."""
     draft = speculative is not None and speculative.method == "draft_model"
     if isinstance(model, ModelBackend):
         if kv_cache_dtype != "auto":
@@ -127,8 +127,8 @@ def build_backend(
     )
     if not draft:
         return backend
+    from paged_jax.engine.draft import DraftPages, check_draft, make_draft_steps
     from paged_jax.model import ModelConfig
-    from paged_jax.speculative import DraftPages, check_draft, make_draft_steps
 
     target_pages = pages_for(config)
     # The draft's shape is checked before its weights are built or read.
@@ -203,7 +203,7 @@ class LLM:
         checked against the block's token ids and salt (and, for a hash that is not
         collision-resistant, its parent block), so a collision is a miss, never another
         sequence's KV.
-      speculative_config: speculative decoding (``speculative.py``), vLLM's keys:
+      speculative_config: speculative decoding (``engine/speculative.py``), vLLM's keys:
         ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
         "prompt_lookup_min": 1}`` or ``{"method": "draft_model", "model": <checkpoint
         directory or ModelConfig>, "num_speculative_tokens": k}``. Greedy outputs are

@@ -83,7 +83,7 @@ class ModelBackend(NamedTuple):
       eos_token_id: stops generation unless ``ignore_eos``; None if the model has none.
       max_position: longest sequence the model supports (None: unbounded).
       name: a short description for reports.
-      propose: with a draft model, its proposal program (``paged_jax.speculative``:
+      propose: with a draft model, its proposal program (``paged_jax.engine.draft``:
         ``propose(params, state, pages, last, seq_ids, num_tokens, temperature, top_k,
         top_p, seeds, steps) -> (proposals, q, logits, state, pages, status)``); None
         otherwise. Speculation without it (n-gram) needs ``step`` to accept

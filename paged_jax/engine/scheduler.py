@@ -25,7 +25,7 @@ One step (``schedule``), under a token budget of ``max_num_batched_tokens``:
    the budget lasts, and the accounting admits them. Their first chunk runs this step.
    With prefix caching the leader starts on its cached blocks (``prefix_cache.py``) and
    is charged only for blocks no row holds yet.
-5. Speculative decoding (``speculative.py``): a decoding sequence of a sampling request
+5. Speculative decoding (``engine/speculative.py``): a decoding sequence of a sampling request
    may feed its pending token plus ``m <= k`` proposals (n-gram proposals made here from
    its tokens; a draft model's on the device), ``m`` capped by its remaining
    ``max_tokens`` and the budget. Their blocks are counted like any append; when they

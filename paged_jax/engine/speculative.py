@@ -11,7 +11,7 @@ One round for a decoding sequence holding ``n`` tokens (its last sampled token p
 1. **Propose** ``m <= k`` tokens ``d_1..d_m``: ``ngram_propose`` on the host (prompt
    lookup: the tokens that followed the latest earlier occurrence of the sequence's
    longest matching suffix n-gram), or the draft model on the device
-   (``paged_jax.speculative``), which writes its own KV beside the target's in the
+   (``paged_jax.engine.draft``), which writes its own KV beside the target's in the
    same blocks.
 2. **Verify**: one target step feeds ``[last, d_1..d_m]`` (``m + 1`` tokens, the
    multi-query paged attention path) and keeps the logits at every position; the K/V of

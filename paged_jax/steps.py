@@ -116,13 +116,6 @@ def prepare(cfg: ModelConfig, state, pages, tokens, seq_ids, num_tokens) -> Prep
     return Prepared(state, pages, ctx, positions, start, tokens, status, ok)
 
 
-def _all_logits(graphdef, params, hidden: jax.Array) -> jax.Array:
-    """f32[B, T, V] from hidden [B, T, H], the LM head run as one 2-D matmul (XLA:CPU ran
-    the 3-D dot several times slower)."""
-    b, t, h = hidden.shape
-    return logits_from_hidden(graphdef, params, hidden.reshape(b * t, h)).reshape(b, t, -1)
-
-
 def _model_step(graphdef, cfg: ModelConfig, impl: str, params, state, pages, tokens, seq_ids, num_tokens,
                 *, all_logits: bool = False):
     """One step; see the module docstring. tokens: int32[B, T]. ``all_logits`` (static):
@@ -133,7 +126,7 @@ def _model_step(graphdef, cfg: ModelConfig, impl: str, params, state, pages, tok
     attend = make_paged_attend(prep.ctx, impl=impl)
     hidden, pages = forward(graphdef, params, prep.tokens, prep.positions, prep.pages, attend)
     if all_logits:
-        return _all_logits(graphdef, params, hidden), prep.state, pages, prep.status
+        return logits_from_hidden(graphdef, params, hidden), prep.state, pages, prep.status
     last = jnp.clip(num_tokens.astype(jnp.int32) - 1, 0, t - 1)
     logits = logits_from_hidden(graphdef, params, hidden[jnp.arange(b), last])
     return logits, prep.state, pages, prep.status

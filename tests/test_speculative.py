@@ -122,7 +122,7 @@ def test_greedy_rows_keep_the_leading_argmax_matches():
         np.testing.assert_allclose(np.asarray(out.logprobs)[0], lsm[0, np.arange(k + 1), tokens[0]], rtol=1e-6)
 
 
-def _emitted_pairs(logits, draft_probs, proposals_fn, temperature, draws):
+def _emitted_pairs(logits, proposals_fn, temperature, draws):
     """Empirical distribution of a round's first two output tokens over ``draws`` seeds,
     rounds whose first proposal was rejected (one token) recorded as (t1, -1)."""
     b = draws
@@ -154,7 +154,7 @@ def test_sampled_rows_keep_the_target_distribution(proposer):
         d = np.stack([draft_rng.choice(v, len(seeds), p=q_rows[i] / q_rows[i].sum()) for i in range(k)], 1)
         return d.astype(np.int32), np.broadcast_to(q_rows, (len(seeds), k, v)).copy()
 
-    accepted, tokens = _emitted_pairs(logits, None, proposals_fn, temperature, draws)
+    accepted, tokens = _emitted_pairs(logits, proposals_fn, temperature, draws)
     # Every round emits t1; it emits t2 too unless the first proposal was rejected. The
     # law of t1 is p_0; the law of t2 given that it was emitted is p_1 (independent).
     t1 = tokens[:, 0]

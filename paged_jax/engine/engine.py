@@ -136,7 +136,8 @@ class LLMEngine:
         accepted = int(result.accepted[i])
         before = seq.num_computed
         emitted = 0
-        for token, logprob in zip(result.spec_tokens[i, : accepted + 1], result.spec_logprobs[i], strict=False):
+        for token, logprob in zip(result.spec_tokens[i, : accepted + 1], result.spec_logprobs[i, : accepted + 1],
+                                  strict=True):
             emitted += 1
             if self._append_token(seq, int(token), float(logprob)):
                 break

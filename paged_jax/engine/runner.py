@@ -517,9 +517,8 @@ class ModelRunner:
         """One speculative round for ``items`` (``Work.spec`` proposals each): rows padded
         to a power of two, width k + 1."""
         k = self.config.num_speculative_tokens
-        # Powers of two, not decode's multiples of 8: a row costs k + 1 tokens here, so
-        # padding a lone row to 8 would compute 8x its tokens (measured: a batch-1 k = 4
-        # round cost 2x a decode padded to 8 rows, ~1.2x padded to 1).
+        # Powers of two, not decode's multiples of 8: a padding row costs k + 1 tokens
+        # here, so a lone row padded to 8 would compute 8x its tokens.
         size = buckets.bucket(len(items), cap=self.config.max_num_seqs)
         tokens = np.zeros((size, k + 1), np.int32)
         num = np.zeros(size, np.int32)

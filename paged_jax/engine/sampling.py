@@ -110,6 +110,24 @@ def _uniform(seeds: jax.Array, steps: jax.Array) -> jax.Array:
     return (x >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
 
 
+def _truncated(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array):
+    """The ranking ``sample`` and ``sampling_probs`` share: ``(order int32[..., V]`` token
+    ids most likely first (ties by id), ``probs f32[..., V]`` the softmax of
+    ``logits / temperature`` over the top-k prefix in that order, ``keep bool[..., V]``
+    the top-k and top-p prefix)``. temperature, top_k, top_p: shaped like ``logits``
+    without its last axis."""
+    vocab = logits.shape[-1]
+    scaled = logits / jnp.maximum(temperature, 1e-6)[..., None]
+    ids = jnp.broadcast_to(jnp.arange(vocab, dtype=jnp.int32), scaled.shape)
+    neg_sorted, order = jax.lax.sort_key_val(-scaled, ids, dimension=-1)  # stable: ties by id
+    keep = jnp.arange(vocab) < jnp.where(top_k > 0, top_k, vocab)[..., None]
+    probs = jax.nn.softmax(jnp.where(keep, -neg_sorted, -jnp.inf), axis=-1)
+    # Keep a token while the ones ranked above it have not reached top_p; the most likely
+    # token is always kept. Both masks are prefixes of the ranking.
+    keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[..., None]
+    return order, probs, keep
+
+
 @functools.partial(jax.jit, static_argnames="greedy_only")
 def sample(
     logits: jax.Array,
@@ -142,20 +160,10 @@ def sample(
       truncation, as vLLM and Hugging Face report it).
     """
     logits = logits.astype(jnp.float32)
-    vocab = logits.shape[-1]
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not greedy_only:
-        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-        ids = jnp.broadcast_to(jnp.arange(vocab, dtype=jnp.int32), scaled.shape)
-        neg_sorted, order = jax.lax.sort_key_val(-scaled, ids, dimension=-1)  # stable: ties by id
-        ranked = -neg_sorted  # most likely first
-        rank = jnp.arange(vocab)[None, :]
-        keep = rank < jnp.where(top_k > 0, top_k, vocab)[:, None]
-        probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf), axis=-1)
-        # Keep a token while the ones ranked above it have not reached top_p; the most
-        # likely token is always kept. Both masks are prefixes of the ranking.
-        keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
+        order, probs, keep = _truncated(logits, temperature, top_k, top_p)
         cdf = jnp.cumsum(jnp.where(keep, probs, 0.0), axis=-1)
         target = _uniform(seeds, steps) * cdf[:, -1]
         choice = jnp.minimum((cdf <= target[:, None]).sum(axis=-1), keep.sum(axis=-1) - 1)
@@ -197,15 +205,8 @@ def sampling_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, 
     logits = logits.astype(jnp.float32)
     vocab = logits.shape[-1]
     temperature = jnp.broadcast_to(temperature, logits.shape[:-1])
-    top_k = jnp.broadcast_to(top_k, logits.shape[:-1])
-    top_p = jnp.broadcast_to(top_p, logits.shape[:-1])
-    scaled = logits / jnp.maximum(temperature, 1e-6)[..., None]
-    ids = jnp.broadcast_to(jnp.arange(vocab, dtype=jnp.int32), scaled.shape)
-    neg_sorted, order = jax.lax.sort_key_val(-scaled, ids, dimension=-1)
-    rank = jnp.arange(vocab)
-    keep = rank < jnp.where(top_k > 0, top_k, vocab)[..., None]
-    probs = jax.nn.softmax(jnp.where(keep, -neg_sorted, -jnp.inf), axis=-1)
-    keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[..., None]
+    order, probs, keep = _truncated(logits, temperature, jnp.broadcast_to(top_k, logits.shape[:-1]),
+                                    jnp.broadcast_to(top_p, logits.shape[:-1]))
     kept = jnp.where(keep, probs, 0.0)
     kept = kept / kept.sum(axis=-1, keepdims=True)
     # Back from rank order to token-id order: position order[j] holds kept[j].

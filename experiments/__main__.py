@@ -5,6 +5,7 @@ Studies (each a module with main(argv) that prints a table and writes DIR/<study
   decode_step   paged vs contiguous decode step; block-management share of a step
   throughput    paged vs static KV allocation under one memory budget (claim C8, docs/SEED.md)
   compile_time  first-call time vs model depth (layers under one scan)
+  first_call    a fresh process's first generate: compilation cache off, cold, warm
   beam          beam search: KV memory saved by sharing (claim C6), prefix sweep, step cost
   parallel      parallel sampling (n > 1): KV memory saved by sharing the prompt, throughput
   prefix        prefix caching behind a shared system prompt: prefill saved, TTFT, tokens/s
@@ -22,10 +23,10 @@ from __future__ import annotations
 import importlib
 import sys
 
-STUDIES = ["allocator", "decode_step", "throughput", "compile_time", "beam", "parallel", "prefix", "multiturn",
+STUDIES = ["allocator", "decode_step", "throughput", "compile_time", "first_call", "beam", "parallel", "prefix", "multiturn",
            "eviction", "quantized", "speculative", "kernel_bench"]
 DEMO = "throughput"  # the headline study
-CPU_STUDIES = ["allocator", "decode_step", "throughput", "compile_time", "beam", "parallel", "prefix", "multiturn",
+CPU_STUDIES = ["allocator", "decode_step", "throughput", "compile_time", "first_call", "beam", "parallel", "prefix", "multiturn",
                "eviction", "quantized", "speculative"]
 
 

@@ -78,6 +78,27 @@ def check_reads(impl: str, kv_cache_dtype: str) -> None:
         )
 
 
+def tiling_problem(impl: str, *, head_dim: int, block_size: int, num_heads: int, num_kv_heads: int) -> str | None:
+    """Why the Pallas kernels cannot run a model of this shape (None if they can, or if
+    ``impl`` is not a Pallas one): checked before any weight loads, not at the first
+    step's trace."""
+    if impl not in ("pallas", "pallas_interpret"):
+        return None
+    try:
+        from pallas_kernels import common
+    except ImportError as e:
+        return f"attention impl {impl!r} needs the pallas_kernels package ({e})"
+    if head_dim not in common.SUPPORTED_HEAD_DIMS:
+        return f"attention impl {impl!r}: head_dim={head_dim} is not supported (one of {common.SUPPORTED_HEAD_DIMS})"
+    if block_size not in common.SUPPORTED_BLOCK_SIZES:
+        return (f"attention impl {impl!r}: block_size={block_size} is not supported "
+                f"(one of {common.SUPPORTED_BLOCK_SIZES})")
+    if num_heads // num_kv_heads > common.MAX_GROUP:
+        return (f"attention impl {impl!r}: {num_heads // num_kv_heads} query heads per kv head is more than "
+                f"the kernels' {common.MAX_GROUP}")
+    return None
+
+
 def resolve_impl(impl: str) -> str:
     """The name of the implementation ``impl`` selects here: itself, or for ``"auto"``
     "pallas" on GPU (if ``pallas_kernels`` imports) or "xla". ValueError for an unknown name."""

@@ -110,6 +110,7 @@ class BeamSearchSequence(NamedTuple):
     cum_logprob: float  # sum of the generated tokens' log-probabilities
     score: float  # cum_logprob / generated_length ** length_penalty (transformers' sequences_scores)
     finish_reason: str  # "stop" (EOS) or "length"
+    text: str | None = None  # the prompt's and the generated tokens' text (the model has a tokenizer)
 
 
 class BeamSearchOutput(NamedTuple):

@@ -14,11 +14,13 @@ stats together; ``LLM`` (``llm.py``) is the offline front end over it. A step:
 from __future__ import annotations
 
 import time
+import warnings
 
 import numpy as np
 
 from paged_jax.engine import beam as beam_lib
-from paged_jax.engine.runner import ModelRunner, StepResult
+from paged_jax.engine.runner import NAN_TOKEN, ModelRunner, StepResult
+from paged_jax.engine.sampling import Logprob, as_token_ids
 from paged_jax.engine.scheduler import ScheduledStep, Scheduler
 from paged_jax.engine.sequence import FinishReason, Sequence, SequenceGroup
 from paged_jax.engine.stats import EngineStats
@@ -37,11 +39,24 @@ def _prefill_tokens(step: ScheduledStep) -> int:
     return total
 
 
+def _logprob_dict(token: int, logprob: float, rank: int, top_lp, top_ids, k: int) -> dict[int, Logprob]:
+    """vLLM's logprobs entry for one position: the token first, then the ``k`` most likely
+    (ranks 1..k; the token's own rank becomes its top position when it is among them,
+    as vLLM's merge does). top_lp f32[>= k], top_ids int32[>= k]: most likely first."""
+    entry = {int(token): Logprob(float(logprob), int(rank))}
+    for j in range(min(k, len(top_ids))):
+        tid = int(top_ids[j])
+        # The token keeps the log-probability reported with it (cumulative_logprob's).
+        entry[tid] = Logprob(entry[tid].logprob if tid == token else float(top_lp[j]), j + 1)
+    return entry
+
+
 class LLMEngine:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, *, eos_token_id: int | None, debug_checks: bool):
         self.scheduler = scheduler
         self.runner = runner
         self.eos_token_id = eos_token_id
+        self.text = None  # a text_output.TextOutputs when the model has a tokenizer (set by LLM)
         self.debug_checks = debug_checks
         cfg = runner.config
         self.stats = EngineStats(block_size=cfg.block_size, num_blocks=cfg.num_blocks)
@@ -100,7 +115,10 @@ class LLMEngine:
         """Record the step's tokens; returns (sampled sequences that finished, beam searches
         that ended, tokens generated)."""
         self.scheduler.swapped_out(step.swapped_out, result.swapped)
+        # min_tokens' bans are planned by the scheduler: keep it on the engine's EOS.
+        self.scheduler.eos_token_id = self.eos_token_id
         cache = self.scheduler.prefix_cache
+        prompt_lps = result.prompt_logprobs or {}
         finished, generated, beams = [], 0, {}
         for i, (seq, work) in enumerate(zip(step.seqs, step.plan.work, strict=True)):
             if work.spec:
@@ -111,6 +129,16 @@ class LLMEngine:
             seq.num_computed += len(work.tokens)
             if cache is not None:  # before a beam step rewrites the histories
                 cache.record(seq, seq.num_computed - len(work.tokens), result.view)
+            if i in prompt_lps:
+                # Positions in order, each once: a recompute's re-fed positions were
+                # planned without targets, and ``len`` only grows.
+                lp, rank, top_lp, top_ids = prompt_lps[i]
+                recorded = seq.group.prompt_logprobs
+                start = seq.num_computed - len(work.tokens)
+                for t, target in enumerate(work.prompt_targets):
+                    if target >= 0 and start + t + 1 == len(recorded):
+                        recorded.append(_logprob_dict(target, lp[t], rank[t], top_lp[t], top_ids[t],
+                                                      seq.params.prompt_logprobs))
             if seq.num_pending:  # mid-prefill: its sample is not a prediction we need
                 continue
             if seq.group.beam is not None:
@@ -118,7 +146,12 @@ class LLMEngine:
                 beams[id(seq.group)] = seq.group
                 continue
             generated += 1
-            if self._append_token(seq, int(result.tokens[i]), float(result.logprobs[i])):
+            token, logprob = int(result.tokens[i]), float(result.logprobs[i])
+            entry = None
+            if seq.output_logprobs is not None:
+                entry = _logprob_dict(token, logprob, int(result.ranks[i]), result.top_logprobs[i],
+                                      result.top_ids[i], seq.params.logprobs)
+            if self._append_token(seq, token, logprob, entry):
                 finished.append(seq)
         ended = []
         for group in beams.values():
@@ -207,17 +240,37 @@ class LLMEngine:
             if self.debug_checks:
                 self.check()
 
-    def _append_token(self, seq: Sequence, token: int, logprob: float) -> bool:
-        """Record a sampled token; True if the sequence is now finished."""
+    def _append_token(self, seq: Sequence, token: int, logprob: float,
+                      entry: dict[int, Logprob] | None = None) -> bool:
+        """Record a sampled token (and its logprobs ``entry``, for a sequence that keeps
+        ``output_logprobs``; without one, the token alone, rank unknown); True if the
+        sequence is now finished. Stops count only once the output holds ``min_tokens``
+        (vLLM's check; the sampler bans them before). EOS is a stop with ``stop_reason``
+        None; a stop token id sets ``stop_reason`` to it (EOS wins if it is both)."""
+        if token == NAN_TOKEN:  # the model's logits held a NaN: this request cannot go on
+            seq.finish_reason = FinishReason.ERROR
+            warnings.warn(f"request {seq.request_id}: the model's logits are NaN after {len(seq.output_token_ids)} "
+                          "output tokens (NaN weights or an overflow); it ends with finish reason 'error'",
+                          stacklevel=2)
+            return True
         seq.output_token_ids.append(token)
         seq.cumulative_logprob += logprob
+        if seq.output_logprobs is not None:
+            seq.output_logprobs.append(entry if entry is not None else {token: Logprob(logprob)})
         params = seq.params
-        if token in params.stop_token_ids or (
-            not params.ignore_eos and self.eos_token_id is not None and token == self.eos_token_id
-        ):
+        may_stop = len(seq.output_token_ids) >= getattr(params, "min_tokens", 0)
+        if may_stop and not params.ignore_eos and token in as_token_ids(self.eos_token_id):
             seq.finish_reason = FinishReason.STOP
+        elif may_stop and token in params.stop_token_ids:
+            seq.finish_reason = FinishReason.STOP
+            seq.stop_reason = token
         elif len(seq.output_token_ids) >= seq.max_tokens:
             seq.finish_reason = FinishReason.LENGTH
+        if self.text is not None and seq.group is not None and seq.group.beam is None:
+            # Every token feeds the text; a stop string it completes ends the sequence.
+            matched = self.text.on_token(seq)
+            if matched is not None and seq.finish_reason in (None, FinishReason.LENGTH):
+                seq.finish_reason, seq.stop_reason = FinishReason.STOP, matched
         return seq.finish_reason is not None
 
     def check(self) -> None:

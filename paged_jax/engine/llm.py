@@ -1,91 +1,77 @@
 """The public offline API, with vLLM's names: ``LLM``, ``SamplingParams``, ``RequestOutput``.
 
-    llm = LLM(model="tests/fixtures/llama", num_gpu_blocks=64, max_num_seqs=8)
-    outs = llm.generate([[1, 2, 3], {"prompt_token_ids": [4, 5]}],
-                        SamplingParams(temperature=0, max_tokens=8))
-    outs[0].outputs[0].token_ids, llm.stats()
+    llm = LLM("tests/fixtures/llama_text", max_num_seqs=8)
+    outs = llm.generate(["The river", {"prompt_token_ids": [4, 5]}],
+                        SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32, stop=["\n\n"]))
+    outs[0].outputs[0].text, outs[0].outputs[0].token_ids, llm.stats()
 
 ``model`` is a local Hugging Face checkpoint directory, a ``ModelConfig`` (random weights
 from ``seed``), or a ``ModelBackend`` (any step functions obeying the contract in
-``paged_jax/steps.py``; tests use a small fake).
+``paged_jax/steps.py``; tests use a small fake). A checkpoint with a ``tokenizer.json``
+takes text prompts and returns text (``paged_jax.text``); without one, token ids only.
 
-Differences from vLLM worth knowing: prompts are token ids (there is no tokenizer);
-prompts longer than ``max_model_len - 1`` are rejected up front, before anything is
-generated (vLLM raises too); generation stops at ``max_model_len`` total tokens with
-finish reason "length"; the KV pool size is given (``num_gpu_blocks`` or
-``kv_cache_memory_bytes``), not profiled; ``kv_cache="static"`` runs the
-pre-PagedAttention baseline (see ``accounting.py``).
+Differences from vLLM worth knowing: prompts longer than ``max_model_len - 1`` are
+rejected up front, before anything is generated (vLLM raises too); generation stops at
+``max_model_len`` total tokens with finish reason "length"; without ``num_gpu_blocks`` or
+``kv_cache_memory_bytes`` the pool is sized from device memory (``memory.py``) without a
+profiling pass; ``kv_cache="static"`` runs the pre-PagedAttention baseline
+(``accounting.py``); an exception inside ``generate`` (Ctrl-C included) aborts every
+unfinished request and empties the pool, so the next call starts clean.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import numbers
 import os
+import time
 import warnings
-from collections.abc import Sequence as Seq
 
 import jax
 
+from paged_jax.compilation_cache import enable_compilation_cache
 from paged_jax.config import blocks_for
+from paged_jax.dtypes import dtype_name
 from paged_jax.engine import beam as beam_lib
 from paged_jax.engine.accounting import PagedAccounting, StaticAccounting
 from paged_jax.engine.beam import BeamSearchOutput, BeamSearchParams
 from paged_jax.engine.engine import LLMEngine
+from paged_jax.engine.memory import check_utilization, kv_budget_bytes
+from paged_jax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from paged_jax.engine.prefix_cache import PrefixCache
+from paged_jax.engine.prompts import normalise_prompts
 from paged_jax.engine.runner import ModelBackend, ModelRunner, RunnerConfig
 from paged_jax.engine.sampling import SamplingParams, completion_seed, seed_for
 from paged_jax.engine.scheduler import Scheduler, SchedulerConfig
-from paged_jax.engine.sequence import FinishReason, Sequence, SequenceGroup
+from paged_jax.engine.sequence import FinishReason, SeqStatus, Sequence, SequenceGroup
+from paged_jax.engine.text_output import TextOutputs
 from paged_jax.kv.pages import bytes_per_block as kv_bytes_per_block
 
 KV_CACHE_MODES = ("paged", "static")
 
 
-@dataclasses.dataclass(frozen=True)
-class CompletionOutput:
-    """One completion of a request."""
-
-    index: int
-    token_ids: list[int]
-    cumulative_logprob: float  # sum of log p(token) under the unmodified model distribution
-    finish_reason: str  # "length" or "stop"
-
-
-@dataclasses.dataclass(frozen=True)
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool = True
-    rejected: str | None = None  # why the request never ran (its completions are empty)
-
-
 def _load(model, *, dtype: str, seed: int):
-    """(ModelConfig, params, eos id or None, name) of a checkpoint directory or a
-    ``ModelConfig`` (random weights from ``seed``)."""
+    """(ModelConfig, params, GenerationDefaults, name) of a checkpoint directory or a
+    ``ModelConfig`` (random weights from ``seed``). ``dtype="auto"``: the checkpoint's
+    (config.json's ``torch_dtype``), a ``ModelConfig``'s own."""
     from paged_jax.model import ModelConfig, init_params, load_model
+    from paged_jax.model.generation_config import GenerationDefaults, read_generation_defaults
 
-    eos = None
+    auto = dtype == "auto"
     if isinstance(model, ModelConfig):
-        config = model.replace(dtype=dtype)
+        config = model if auto else model.replace(dtype=dtype)
         _, params = init_params(config, seed)
         name = f"random {config.architecture} ({config.num_params / 1e6:.1f}M params, seed {seed})"
-    elif isinstance(model, (str, os.PathLike)):
+        return config, params, GenerationDefaults(), name
+    if isinstance(model, (str, os.PathLike)):
         if not os.path.isdir(model):
             raise ValueError(f"model={model!r}: not a local checkpoint directory (no downloads)")
-        config, _, params = load_model(model, dtype=dtype)
-        with open(os.path.join(model, "config.json")) as f:
-            eos = json.load(f).get("eos_token_id")
-        if isinstance(eos, list):  # some checkpoints list several; the first is the EOS
-            eos = eos[0] if eos else None
-        name = f"{config.architecture} from {model}"
-    else:
-        raise ValueError(
-            f"model={model!r}: expected a local HF checkpoint directory, a ModelConfig or a ModelBackend"
-        )
-    return config, params, eos, name
+        defaults = read_generation_defaults(model)
+        config, _, params = load_model(model, dtype=None if auto else dtype)
+        return config, params, defaults, f"{config.architecture} from {model}"
+    raise ValueError(
+        f"model={model!r}: expected a local HF checkpoint directory, a ModelConfig or a ModelBackend"
+    )
 
 
 def build_backend(
@@ -110,18 +96,18 @@ def build_backend(
     from paged_jax import kv
     from paged_jax.steps import make_model_step
 
-    config, params, eos, name = _load(model, dtype=dtype, seed=seed)
+    config, params, defaults, name = _load(model, dtype=dtype, seed=seed)
 
     def pages_for(cfg):
         return lambda num_blocks: kv.init_pages(cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size,
-                                                cfg.head_dim, dtype, kv_cache_dtype)
+                                                cfg.head_dim, cfg.dtype, kv_cache_dtype)
 
     backend = ModelBackend(
         step=make_model_step(config, attention_impl),
         params=params,
         init_pages=pages_for(config),
         vocab_size=config.vocab_size,
-        eos_token_id=eos,
+        eos_token_id=defaults.eos_token_ids or None,
         max_position=config.max_seq_len,
         name=name,
     )
@@ -139,7 +125,8 @@ def build_backend(
         check_draft(config, draft_shape)
     # A ModelConfig draft gets random weights from the same seed: the target's own config
     # gives the target's own weights (acceptance 1, the machinery's pure overhead).
-    draft_config, draft_params, _, draft_name = _load(speculative.model, dtype=dtype, seed=seed)
+    # The draft computes in the target's dtype: their KV pages share blocks.
+    draft_config, draft_params, _, draft_name = _load(speculative.model, dtype=config.dtype, seed=seed)
     steps = make_draft_steps(config, draft_config, attention_impl, speculative.num_speculative_tokens)
     draft_pages = pages_for(draft_config)
     return backend._replace(
@@ -160,11 +147,15 @@ class LLM:
       model: checkpoint directory, ``ModelConfig`` (random weights) or ``ModelBackend``.
       block_size: tokens per KV block (a power of two).
       num_gpu_blocks: blocks in the device pool. Or give ``kv_cache_memory_bytes`` and
-        the pool is as many blocks as fit. Neither: room for ``max_num_seqs`` sequences
-        of ``max_model_len`` tokens (no memory pressure).
+        the pool is as many blocks as fit. Neither: sized like vLLM's, from
+        ``gpu_memory_utilization`` of the accelerator's memory (on the CPU a fixed
+        budget, ``PAGED_JAX_CPU_KVCACHE_SPACE`` GiB, default 4; ``memory.py``), never more
+        than ``max_num_seqs`` sequences of ``max_model_len`` tokens can use.
+      gpu_memory_utilization: the fraction of accelerator memory the weights and the
+        pool may take together (default 0.9); the rest is left for activations.
       max_num_seqs: sequences running at once (block-table rows; the largest batch).
       max_model_len: prompt + output tokens per sequence; default the model's maximum,
-        capped by the pool.
+        capped (with a warning) at what the pool holds.
       max_num_batched_tokens: tokens per step (decodes + prefill chunks); default
         ``max(max_model_len, max_num_seqs)`` up to 2048 but at least ``max_num_seqs``.
       preemption_mode: "recompute" or "swap" (see ``scheduler.py``).
@@ -173,7 +164,9 @@ class LLM:
       allocation_policy: block allocation order: "lifo", "fifo", "lowest_id_first", "random".
       attention_impl: a name in ``attention.dispatch`` ("auto", "xla", "reference",
         "pallas", "pallas_interpret").
-      dtype: parameter and compute dtype, and the KV dtype unless ``kv_cache_dtype`` says.
+      dtype: parameter and compute dtype, and the KV dtype unless ``kv_cache_dtype`` says:
+        "auto" (the checkpoint's ``torch_dtype``; a ``ModelConfig``'s own), "float32",
+        "bfloat16" or "float16".
       kv_cache_dtype: "auto" (KV in ``dtype``), "int8" (per-token scales), "int8_channel"
         (per-block, per-channel scales) or "fp8_e4m3" (float8 values, per-token scales):
         quantised on write, dequantised on read by every attention implementation
@@ -209,7 +202,17 @@ class LLM:
         directory or ModelConfig>, "num_speculative_tokens": k}``. Greedy outputs are
         unchanged; sampled ones keep the target's distribution. Not with beam search.
         A draft model's KV shares the target's blocks (``bytes_per_block`` counts both).
+      generation_config: "auto" (default): requests without ``SamplingParams`` get the
+        checkpoint's generation_config.json defaults (temperature, top_p, top_k, min_p,
+        repetition_penalty, max_new_tokens); "vllm": ``SamplingParams()``. Generation
+        stops at every EOS id of config.json, generation_config.json and the tokenizer.
+      tokenizer: a directory with ``tokenizer.json`` (default: the checkpoint's own).
+      skip_tokenizer_init: no tokenizer: token ids in and out only.
       debug_checks: check every invariant after every op and step (slow; for tests).
+
+    JAX's persistent compilation cache is turned on (``paged_jax.compilation_cache``:
+    ``~/.cache/paged_jax/jax``; ``PAGED_JAX_COMPILATION_CACHE=<dir>`` or ``=0``), so a
+    second process does not compile the engine's programs again.
     """
 
     def __init__(
@@ -226,8 +229,10 @@ class LLM:
         swap_space_blocks: int | None = None,
         allocation_policy: str = "lifo",
         attention_impl: str = "auto",
-        dtype: str = "float32",
+        dtype: str = "auto",
         kv_cache_dtype: str = "auto",
+        gpu_memory_utilization: float = 0.9,
+        generation_config: str = "auto",
         seed: int = 0,
         kv_cache: str = "paged",
         watermark: float = 0.01,
@@ -238,6 +243,8 @@ class LLM:
         eviction_policy="lru",
         prefix_cache_hash="sha256",
         speculative_config: dict | None = None,
+        tokenizer: str | os.PathLike | None = None,
+        skip_tokenizer_init: bool = False,
         debug_checks: bool = False,
     ):
         if not isinstance(share_blocks, bool):
@@ -267,6 +274,19 @@ class LLM:
             raise ValueError(f"kv_cache={kv_cache!r}: unknown; choose one of {list(KV_CACHE_MODES)}")
         if num_gpu_blocks is not None and kv_cache_memory_bytes is not None:
             raise ValueError("give num_gpu_blocks or kv_cache_memory_bytes, not both")
+        if num_gpu_blocks is not None and (
+                isinstance(num_gpu_blocks, bool) or not isinstance(num_gpu_blocks, int) or num_gpu_blocks < 1):
+            raise ValueError(f"num_gpu_blocks={num_gpu_blocks!r}: the KV pool needs an int >= 1 blocks")
+        if kv_cache_memory_bytes is not None and (
+                isinstance(kv_cache_memory_bytes, bool) or not isinstance(kv_cache_memory_bytes, int)
+                or kv_cache_memory_bytes < 1):
+            raise ValueError(f"kv_cache_memory_bytes={kv_cache_memory_bytes!r}: must be an int >= 1")
+        check_utilization(gpu_memory_utilization)
+        if dtype != "auto":
+            dtype_name(dtype)
+        if generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config={generation_config!r}: 'auto' (the checkpoint's "
+                             "generation_config.json defaults) or 'vllm' (SamplingParams' own)")
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs!r}: must be an int >= 1")
         # Validate names before building anything expensive.
@@ -278,6 +298,9 @@ class LLM:
             preemption_mode=preemption_mode, victim_policy=victim_policy,
             admission_lookahead=admission_lookahead, share_blocks=share_blocks,
         )
+        attention_impl = self._tiled_impl(model, attention_impl, block_size, speculative)
+        tok = self._tokenizer(model, tokenizer, skip_tokenizer_init)
+        enable_compilation_cache()
         backend = build_backend(
             model, dtype=dtype, seed=seed, attention_impl=attention_impl, block_size=block_size,
             kv_cache_dtype=kv_cache_dtype, speculative=speculative,
@@ -290,22 +313,38 @@ class LLM:
                 raise ValueError(
                     f"kv_cache_memory_bytes={kv_cache_memory_bytes}: smaller than one block ({bytes_per_block} bytes)"
                 )
+        sized_by = None
+        if num_gpu_blocks is None:  # vLLM's sizing from device memory (``memory.py``)
+            budget, sized_by = kv_budget_bytes(gpu_memory_utilization)
+            pool_limit = budget // bytes_per_block
+            if pool_limit < 1:
+                raise ValueError(f"no room for a KV block ({bytes_per_block} bytes) with {sized_by}; "
+                                 "give num_gpu_blocks or kv_cache_memory_bytes")
+        else:
+            pool_limit = num_gpu_blocks
         limit = backend.max_position
         if max_model_len is None:
             max_model_len = limit if limit is not None else 2048
-            if num_gpu_blocks is not None:
-                max_model_len = min(max_model_len, num_gpu_blocks * block_size)
-        if not isinstance(max_model_len, int) or max_model_len < 2:
+            if max_model_len > pool_limit * block_size:
+                warnings.warn(
+                    f"max_model_len capped at {pool_limit * block_size} tokens (the model allows {max_model_len}): "
+                    f"the KV pool holds {pool_limit} blocks of {block_size} tokens"
+                    + (f" ({sized_by})" if sized_by else "") + "; pass max_model_len or a larger pool to choose",
+                    stacklevel=2,
+                )
+                max_model_len = pool_limit * block_size
+        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2:
             raise ValueError(f"max_model_len={max_model_len!r}: must be an int >= 2")
         if limit is not None and max_model_len > limit:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's maximum length {limit}")
         blocks_per_seq = blocks_for(max_model_len, block_size)
-        if num_gpu_blocks is None:
-            num_gpu_blocks = max_num_seqs * blocks_per_seq
+        if num_gpu_blocks is None:  # no more than the engine could ever hold
+            num_gpu_blocks = min(pool_limit, max_num_seqs * blocks_per_seq)
         if num_gpu_blocks < blocks_per_seq:
             raise ValueError(
                 f"max_model_len={max_model_len} needs {blocks_per_seq} blocks of {block_size} tokens "
-                f"but the KV pool has {num_gpu_blocks}: lower max_model_len or enlarge the pool"
+                f"but the KV pool has {num_gpu_blocks}" + (f" ({sized_by})" if sized_by else "")
+                + ": lower max_model_len or enlarge the pool"
             )
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(min(max(max_model_len, max_num_seqs), 2048), max_num_seqs)
@@ -315,6 +354,11 @@ class LLM:
                 f"than a block-table row holds ({blocks_per_seq} blocks of {block_size} tokens)"
             )
         self.speculative = speculative
+        from paged_jax.model.generation_config import GenerationDefaults, read_generation_defaults
+
+        checkpoint = isinstance(model, (str, os.PathLike))
+        self.generation_defaults = (read_generation_defaults(model) if checkpoint and generation_config == "auto"
+                                    else GenerationDefaults())
 
         self.kv_cache = kv_cache
         self.kv_cache_dtype = kv_cache_dtype
@@ -343,32 +387,44 @@ class LLM:
             ),
             swap_space_blocks=swap_space_blocks,
         )
-        if kv_cache == "paged":
-            accounting = PagedAccounting(num_gpu_blocks, block_size, watermark)
-        else:
-            accounting = StaticAccounting(num_gpu_blocks, block_size, max_model_len)
-        prefix_cache = None
-        if enable_prefix_caching:
-            prefix_cache = PrefixCache(num_gpu_blocks, block_size, hash_fn=prefix_cache_hash,
-                                       eviction_policy=eviction_policy)
-        scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                block_size=block_size,
-                preemption_mode=preemption_mode,
-                victim_policy=victim_policy,
-                admission_lookahead=admission_lookahead,
-                share_blocks=share_blocks,
-                speculative=speculative,
-            ),
-            self.runner,
-            accounting,
-            swapping=swapping,
-            prefix_cache=prefix_cache,
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+            preemption_mode=preemption_mode,
+            victim_policy=victim_policy,
+            admission_lookahead=admission_lookahead,
+            share_blocks=share_blocks,
+            speculative=speculative,
         )
-        self.engine = LLMEngine(scheduler, self.runner, eos_token_id=backend.eos_token_id, debug_checks=debug_checks)
+
+        def make_scheduler() -> Scheduler:
+            """A scheduler with empty queues over ``self.runner``'s state (``_reset``)."""
+            if kv_cache == "paged":
+                accounting = PagedAccounting(num_gpu_blocks, block_size, watermark)
+            else:
+                accounting = StaticAccounting(num_gpu_blocks, block_size, max_model_len)
+            prefix_cache = None
+            if enable_prefix_caching:
+                prefix_cache = PrefixCache(num_gpu_blocks, block_size, hash_fn=prefix_cache_hash,
+                                           eviction_policy=eviction_policy)
+            return Scheduler(scheduler_config, self.runner, accounting, swapping=swapping,
+                             prefix_cache=prefix_cache)
+
+        self._make_scheduler = make_scheduler
+        scheduler = make_scheduler()
+        self.tokenizer = tok
+        # Generation stops at every EOS the checkpoint names (config.json, generation_config.json)
+        # and at its tokenizer's, as vLLM stops.
+        eos = eos_ids(backend.eos_token_id)
+        if tok is not None and tok.eos_token_id is not None and tok.eos_token_id not in eos:
+            eos += (tok.eos_token_id,)
+        self.eos_token_ids = eos
+        self.engine = LLMEngine(scheduler, self.runner, eos_token_id=self.eos_token_ids or None,
+                                debug_checks=debug_checks)
+        self.engine.text = None if tok is None else TextOutputs(tok)
         self._next_request = 0
+        self._requests: dict[str, SequenceGroup] = {}  # add_request's, until step() reports them finished
 
     # ------------------------------------------------------------------ generate
 
@@ -376,11 +432,12 @@ class LLM:
         """Run every prompt to completion; outputs in prompt order.
 
         Args:
-          prompts: token-id lists or ``{"prompt_token_ids": [...], "cache_salt": str}``
-            dicts (the salt optional: prefix caching shares blocks only within one salt),
+          prompts: token-id lists (or 1-D integer arrays), strings (the model has a
+            tokenizer), ``{"prompt_token_ids": [...]}`` or ``{"prompt": str}`` dicts with an
+            optional ``"cache_salt"`` (prefix caching shares blocks only within one salt),
             or one prompt.
           sampling_params: one ``SamplingParams`` for all, one per prompt, or None
-            (defaults). A ``BeamSearchParams`` in the list makes that request a beam
+            (``get_default_sampling_params()``). A ``BeamSearchParams`` in the list makes that request a beam
             search (its output is then a ``BeamSearchOutput``), batched with the others.
 
         Returns a ``RequestOutput`` (``n`` completions) per sampling request and a
@@ -394,33 +451,124 @@ class LLM:
         output has ``rejected`` set (and no tokens), and the other requests complete.
         """
         groups = self.add_requests(prompts, sampling_params)
-        bar = _progress(len(groups)) if use_tqdm else None
-        while self.engine.has_unfinished():
-            self.engine.step()
+        bar = _Progress(groups, self) if use_tqdm else None
+        try:
+            while self.engine.has_unfinished():
+                self._times(self.engine.step())
+                if bar is not None:
+                    bar.update()
+            self.engine.flush()
+        except BaseException:  # Ctrl-C included: never leave half a step behind
+            self._reset()
+            raise
+        finally:
             if bar is not None:
-                bar.update(sum(g.finished for g in groups) - bar.n)
-        self.engine.flush()
-        if bar is not None:
-            bar.close()
+                bar.close()
         return self.outputs(groups)
+
+    # ------------------------------------------------------------------ streaming
+
+    def add_request(self, prompt, params=None, request_id: str | None = None) -> str:
+        """Queue one request without running it (vLLM's ``LLMEngine.add_request``); returns
+        its id. ``step()`` runs the engine one step at a time, for notebooks that stream."""
+        (group,) = self.add_requests([prompt], None if params is None else [params])
+        if request_id is not None:
+            if not isinstance(request_id, str) or request_id in self._requests:
+                raise ValueError(f"request_id={request_id!r}: must be a new string")
+            group.request_id = request_id
+            for s in group.seqs:
+                s.request_id = request_id
+        self._requests[group.request_id] = group
+        return group.request_id
+
+    def step(self) -> list:
+        """One engine step: the outputs (so far) of every request ``add_request`` queued that
+        is still running or finished in this step; a finished one is reported once."""
+        if self.engine.has_unfinished():
+            try:
+                self._times(self.engine.step())
+                if not self.engine.has_unfinished():
+                    self.engine.flush()
+            except BaseException:
+                self._reset()
+                raise
+        groups = [g for g in self._requests.values()]
+        self._requests = {rid: g for rid, g in self._requests.items() if not _done(g)}
+        return self.outputs(groups)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def abort(self, request_ids) -> None:
+        """Abort unfinished requests by id (vLLM's ``abort_request``): their completions end
+        with finish reason "abort" and the tokens so far; their blocks are released at the
+        next step. ValueError, before anything changes, for an id that is not running."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        sched = self.engine.scheduler
+        live = {g.request_id: g for g in [*sched.waiting, *sched.running, *sched.swapped]}
+        unknown = [r for r in ids if r not in live]
+        if unknown:
+            raise ValueError(f"unknown request ids (never added, or already finished): {unknown}")
+        for rid in dict.fromkeys(ids):
+            sched.abort(live[rid])
+
+    def _times(self, finished: list[Sequence]) -> None:
+        """Record first-token and finish times (``RequestMetrics``) after a step."""
+        now = time.time()
+        for g in self.engine.scheduler.running:
+            if g.metrics is not None and "first_token_time" not in g.metrics and any(s.output_token_ids for s in g.seqs):
+                g.metrics["first_token_time"] = now
+        for s in finished:
+            m = s.group.metrics
+            if m is not None:
+                m.setdefault("first_token_time", now)
+                if s.group.finished:
+                    m["finished_time"] = now
+
+    def _reset(self) -> None:
+        """Back to an empty, consistent engine after a call was interrupted anywhere (in the
+        scheduler's planning, between a device call and its host bookkeeping, or with the
+        donated KV arrays lost): every unfinished request is aborted (finish reason
+        "abort"), the block manager starts from an empty pool (the prefix cache with it),
+        the host swap pool is emptied. Compiled programs, the pages' memory (unless lost)
+        and the statistics are kept."""
+        from paged_jax.cache import init_state
+        from paged_jax.engine.swap import HostSwapPool
+
+        old = self.engine.scheduler
+        for group in [*old.waiting, *old.running, *old.swapped]:
+            for s in group.seqs:
+                if s.finish_reason is None:
+                    s.finish_reason = FinishReason.ABORT
+                s.slot, s.row_live = None, False
+            group.status = SeqStatus.FINISHED
+        runner = self.runner
+        runner.cache_state = init_state(runner.cache_config, runner.config.allocation_policy,
+                                        debug=runner.config.debug)
+        if any(leaf.is_deleted() for leaf in jax.tree.leaves(runner.pages)):
+            runner.pages = runner.backend.init_pages(runner.config.num_blocks)
+        runner.swap_pool = HostSwapPool.for_pages(runner.swap_pool.capacity, runner.pages)
+        runner.view = runner._fresh_view()
+        scheduler = self._make_scheduler()
+        scheduler.counters = old.counters
+        self.engine.scheduler = scheduler
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search for every prompt (vLLM's ``LLM.beam_search``), all in one batch:
         ``BeamSearchOutput``s in prompt order (see ``beam.py`` for the rules)."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params={params!r}: expected BeamSearchParams")
-        return self.generate(prompts, [params] * len(_normalise_prompts(prompts)), use_tqdm=use_tqdm)
+        return self.generate(prompts, [params] * len(normalise_prompts(prompts, self.tokenizer)), use_tqdm=use_tqdm)
 
     def add_requests(self, prompts, sampling_params=None) -> list[SequenceGroup]:
         """Validate and queue requests without running them (``generate`` = this, then
         ``engine.step()`` until done, then ``outputs``). For drivers that step engines
         themselves, e.g. a benchmark interleaving two engines. Same arguments and errors
         as ``generate``; nothing is queued if any request is bad."""
-        prompts = _normalise_prompts(prompts)
-        salts = [salt for _, salt in prompts]
-        prompts = [tokens for tokens, _ in prompts]
+        given = normalise_prompts(prompts, self.tokenizer)
+        prompts = [p.token_ids for p in given]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams | BeamSearchParams):
             params = [sampling_params] * len(prompts)
         else:
@@ -439,18 +587,115 @@ class LLM:
             if (why := self._validate_fit(i, prompt, p)) is not None:
                 rejected[i] = why
 
-        groups = []
+        groups, now = [], time.time()
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             rid = str(self._next_request)
             self._next_request += 1
             groups.append(self._group(rid, i, tuple(prompt), p))
-            groups[-1].cache_salt = salts[i]
+            groups[-1].cache_salt = given[i].cache_salt
+            groups[-1].prompt_text = given[i].text
+            groups[-1].metrics = {"arrival_time": now}
             if i in rejected:
                 groups[-1].rejected = rejected[i]
                 warnings.warn(rejected[i] + "; rejected (its output is empty)", stacklevel=3)
             else:
                 self.engine.add(groups[-1])
         return groups
+
+    @staticmethod
+    def _tiled_impl(model, impl: str, block_size: int, speculative) -> str:
+        """``impl``, or "xla" where "auto" would pick Pallas kernels that cannot tile this
+        model; ValueError, before any weight loads, when a named Pallas impl cannot."""
+        from paged_jax.attention.dispatch import resolve_impl, tiling_problem
+        from paged_jax.model import ModelConfig
+
+        if isinstance(model, ModelBackend):
+            return impl
+        configs = [model]
+        if speculative is not None and speculative.method == "draft_model":
+            configs.append(speculative.model)
+        chosen = resolve_impl(impl)
+        for cfg in configs:
+            if isinstance(cfg, (str, os.PathLike)):
+                if not os.path.isdir(cfg):
+                    return impl  # _load names the problem
+                cfg = ModelConfig.from_hf(cfg)
+            if not isinstance(cfg, ModelConfig):
+                return impl
+            problem = tiling_problem(chosen, head_dim=cfg.head_dim, block_size=block_size, num_heads=cfg.num_heads,
+                                     num_kv_heads=cfg.num_kv_heads)
+            if problem is None:
+                continue
+            if impl != "auto":
+                raise ValueError(problem + "; use attention_impl='xla'")
+            warnings.warn(problem + "; 'auto' uses 'xla'", stacklevel=3)
+            return "xla"
+        return impl
+
+    @staticmethod
+    def _tokenizer(model, path, skip: bool):
+        """The checkpoint's ``Tokenizer`` (or ``path``'s), checked against the model's
+        vocabulary before any weight is read; None without one."""
+        from paged_jax.text import Tokenizer
+
+        if skip:
+            return None
+        if path is None:
+            if not isinstance(model, (str, os.PathLike)) or not os.path.isdir(model):
+                return None
+            tok = Tokenizer.from_dir(model)
+        else:
+            tok = Tokenizer.from_dir(path)
+            if tok is None:
+                raise ValueError(f"tokenizer={os.fspath(path)!r}: no tokenizer.json there")
+        if tok is not None and isinstance(model, (str, os.PathLike)):
+            from paged_jax.model import ModelConfig
+
+            vocab = ModelConfig.from_hf(model).vocab_size
+            if len(tok) > vocab:
+                raise ValueError(f"the tokenizer has {len(tok)} ids but the model's vocabulary is {vocab}: "
+                                 "they do not belong together")
+        return tok
+
+    def get_tokenizer(self):
+        """The model's ``paged_jax.text.Tokenizer`` (None without one): ``encode``,
+        ``decode``, ``apply_chat_template``, and the raw HF tokenizer as ``.backend``."""
+        return self.tokenizer
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, *, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list:
+        """Generate replies to conversations (vLLM's ``LLM.chat``): ``messages`` is one
+        conversation (a list of ``{"role", "content"}`` dicts) or a list of them, rendered
+        with the checkpoint's chat template (or ``chat_template``) in a sandboxed Jinja
+        environment as transformers renders it, then generated like text prompts. The
+        template writes any BOS itself, so none is added when encoding."""
+        if self.tokenizer is None:
+            raise ValueError("chat() needs a tokenizer: this model has none (no tokenizer.json)")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message=True continues the last message; "
+                             "it cannot also add a generation prompt (set add_generation_prompt=False)")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
+                chat_template=chat_template, **(chat_template_kwargs or {}))
+            if continue_final_message:  # cut the template's end-of-turn after the last message
+                last = conversation[-1]["content"]
+                text = text[: text.rindex(last) + len(last)]
+            prompts.append(text)
+        ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in prompts]
+        outs = self.generate([{"prompt_token_ids": i} for i in ids], sampling_params, use_tqdm=use_tqdm)
+        return [dataclasses.replace(o, prompt=t) if isinstance(o, RequestOutput) else o
+                for o, t in zip(outs, prompts, strict=True)]
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The ``SamplingParams`` a request gets when the caller gives none: the
+        checkpoint's generation_config.json defaults (``generation_config="auto"``),
+        else ``SamplingParams()`` (vLLM's ``LLM.get_default_sampling_params``)."""
+        fields = {f.name for f in dataclasses.fields(SamplingParams)}
+        return SamplingParams(**{k: v for k, v in self.generation_defaults.sampling.items() if k in fields})
 
     def _group(self, rid: str, index: int, prompt: tuple[int, ...], p) -> SequenceGroup:
         """The ``SequenceGroup`` of one request: ``n`` completions, or ``beam_width`` beams."""
@@ -471,20 +716,24 @@ class LLM:
             return ()
         if p.eos_token_id is not None:
             return p.eos_token_id
-        eos = self.backend.eos_token_id
-        return () if eos is None else (eos,)
+        return self.eos_token_ids
 
-    @staticmethod
-    def outputs(groups: list[SequenceGroup]) -> list:
-        """``RequestOutput``s (sampling) and ``BeamSearchOutput``s (beam search) of finished
-        requests, in the given order."""
+    def outputs(self, groups: list[SequenceGroup]) -> list:
+        """``RequestOutput``s (sampling) and ``BeamSearchOutput``s (beam search) of the
+        given requests, in the given order (unfinished ones as they stand)."""
         out = []
+        text = self.engine.text
         for g in groups:
             if g.beam is not None:
-                out.append(BeamSearchOutput([], g.rejected) if g.rejected
-                           else beam_lib.results(g.beam, g.prompt_token_ids, g.eos))
+                result = (BeamSearchOutput([], g.rejected) if g.rejected
+                          else beam_lib.results(g.beam, g.prompt_token_ids, g.eos))
+                if text is not None:
+                    result = result._replace(sequences=[b._replace(text=text.decode(b.tokens))
+                                                        for b in result.sequences])
+                out.append(result)
                 continue
             reason = FinishReason.REJECTED.value if g.rejected else None
+            metrics = g.metrics or {"arrival_time": time.time()}
             out.append(RequestOutput(
                 request_id=g.request_id,
                 prompt_token_ids=list(g.prompt_token_ids),
@@ -493,13 +742,29 @@ class LLM:
                         index=s.completion,
                         token_ids=list(s.output_token_ids),
                         cumulative_logprob=s.cumulative_logprob,
-                        finish_reason=reason or s.finish_reason.value,
+                        finish_reason=reason or (s.finish_reason.value if s.finish_reason else None),
+                        text="" if text is None else text.text(s, final=s.finish_reason is not None),
+                        logprobs=self._decoded(s.output_logprobs),
+                        stop_reason=s.stop_reason,
                     )
                     for s in g.seqs
                 ],
+                finished=_done(g),
                 rejected=g.rejected,
+                prompt=g.prompt_text,
+                prompt_logprobs=self._decoded(g.prompt_logprobs),
+                metrics=RequestMetrics(**metrics),
             ))
         return out
+
+    def _decoded(self, logprobs: list | None) -> list | None:
+        """Per-position ``{id: Logprob}`` dicts with ``decoded_token`` filled in (the model
+        has a tokenizer), as vLLM reports them."""
+        if logprobs is None or self.tokenizer is None:
+            return logprobs
+        tok = self.tokenizer
+        return [None if d is None else {t: dataclasses.replace(lp, decoded_token=tok.decode([t], skip_special_tokens=False))
+                                        for t, lp in d.items()} for d in logprobs]
 
     def _validate_fit(self, i: int, prompt: list[int], p) -> str | None:
         """Raise for members beyond the table rows or beam candidates beyond the
@@ -596,29 +861,40 @@ class LLM:
         self.engine.stats = EngineStats(block_size=self.block_size, num_blocks=self.num_gpu_blocks)
 
 
-def _normalise_prompts(prompts) -> list[tuple[list[int], str | None]]:
-    """(token ids, cache salt or None) per prompt."""
-    if isinstance(prompts, dict) or (isinstance(prompts, Seq) and prompts and isinstance(prompts[0], numbers.Integral)):
-        prompts = [prompts]
-    out = []
-    for i, p in enumerate(prompts):
-        salt = None
-        if isinstance(p, dict):
-            if "prompt_token_ids" not in p:
-                raise ValueError(f"prompt {i}: a dict prompt needs 'prompt_token_ids'")
-            salt = p.get("cache_salt")
-            if salt is not None and not isinstance(salt, str):
-                raise ValueError(f"prompt {i}: cache_salt={salt!r} must be a string")
-            p = p["prompt_token_ids"]
-        if isinstance(p, str):
-            raise ValueError(f"prompt {i} is a string: this engine has no tokenizer; pass token ids")
-        out.append(([int(t) for t in p], salt))
-    return out
+def _done(group: SequenceGroup) -> bool:
+    return group.rejected is not None or all(s.finish_reason is not None for s in group.seqs)
 
 
-def _progress(total: int):
-    try:
+def eos_ids(eos) -> tuple[int, ...]:
+    """A backend's ``eos_token_id`` (None, an int or a sequence of ints) as a tuple."""
+    if eos is None:
+        return ()
+    if isinstance(eos, numbers.Integral):
+        return (int(eos),)
+    return tuple(int(t) for t in eos)
+
+
+class _Progress:
+    """``generate``'s bar: requests done, output tokens/s, and the phase ("compiling" while
+    the last step compiled a program, so a first call's minute of XLA work is named)."""
+
+    def __init__(self, groups: list[SequenceGroup], llm: LLM):
         from tqdm.auto import tqdm
-    except ImportError:  # tqdm is an optional extra
-        return None
-    return tqdm(total=total, desc="generate", unit="req")
+
+        self.groups, self.llm = groups, llm
+        self.tokens0 = llm.engine.stats.generated_tokens
+        self.compiled = llm.runner.compile_seconds
+        self.bar = tqdm(total=len(groups), desc="compiling", unit="req", dynamic_ncols=True)
+
+    def update(self) -> None:
+        compiled = self.llm.runner.compile_seconds
+        self.bar.set_description("compiling" if compiled > self.compiled else "generating", refresh=False)
+        self.compiled = compiled
+        tokens = self.llm.engine.stats.generated_tokens - self.tokens0
+        elapsed = self.bar.format_dict["elapsed"]
+        self.bar.set_postfix_str(f"{tokens} tokens, {tokens / max(elapsed, 1e-9):.1f} tok/s", refresh=False)
+        self.bar.update(sum(g.finished for g in self.groups) - self.bar.n)
+
+    def close(self) -> None:
+        self.bar.set_description("generated", refresh=False)
+        self.bar.close()

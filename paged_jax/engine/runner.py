@@ -13,7 +13,9 @@ parameters) and executes one ``StepPlan`` per engine step with ``run``:
 4. the model steps: one decode call for every single-token append, one verification
    call for the rows that speculate (``engine/speculative.py``: proposals fed, accepted
    ones kept, the rest rolled back by ``truncate`` in the same program), prefill calls
-   for the chunks (``buckets.plan_prefill``), each fused with the sampler;
+   for the chunks (``buckets.plan_prefill``), each fused with the sampler; chunks that
+   want prompt logprobs (``Work.prompt_targets``) go to prefill calls of their own that
+   keep the logits at every position (f32[rows, width, V]: only those rows pay for it);
 5. a snapshot of the block manager (``cache.snapshot``);
 
 and then brings everything the host needs back in **one** device fetch: sampled tokens,
@@ -61,11 +63,15 @@ from paged_jax.cache import (
 from paged_jax.cache.sentinels import NO_SEQ
 from paged_jax.config import CacheConfig
 from paged_jax.engine import speculative
-from paged_jax.engine.sampling import sample, top_logprobs
+from paged_jax.engine.sampling import History, empty_history, sample, token_logprobs, top_logprobs
 from paged_jax.engine.swap import HostSwapPool, SwappedBlocks
 from paged_jax.kv.pages import block_axis, bytes_per_block, copy_blocks, read_blocks, write_blocks
 
+# The token a row gets when its logits hold a NaN (NaN weights, an overflow): the engine
+# ends that request with finish reason "error" instead of emitting argmax-of-NaN forever.
+NAN_TOKEN = -1
 MIN_TOP = 16  # narrowest top-K call (see _call)
+MIN_HISTORY = 64  # narrowest penalty/min-tokens history (sampling.History): most batches fit it
 
 
 class ModelBackend(NamedTuple):
@@ -101,14 +107,46 @@ class ModelBackend(NamedTuple):
 
 
 class SampleRow(NamedTuple):
+    """How one row samples (host values; ``ModelRunner._sampling`` stacks them).
+
+    ``history`` is the row's ``sampling.History`` entries as ``(ids, counts, flags)``
+    int arrays of one length (the distinct tokens its penalties and min-tokens ban
+    touch), or None when it uses neither. ``num_logprobs`` >= 0 asks for the sampled
+    token's rank (and, with ``Work.top``, the top tokens); -1: none.
+    """
+
     temperature: float
     top_k: int
     top_p: float
     seed: int
     step: int  # index of the token being sampled in the completion's output
+    min_p: float = 0.0
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    history: tuple | None = None
+    num_logprobs: int = -1
 
 
 _PAD_SAMPLE = SampleRow(0.0, -1, 1.0, 0, 0)
+
+
+class SamplingBatch(NamedTuple):
+    """The per-row sampling inputs of one fused call (device side, rows padded to B).
+
+    temperature f32[B], top_k int32[B], top_p f32[B], min_p f32[B], seeds uint32[B],
+    steps int32[B], top_temperature f32[B] (the top-K's distribution: 0 = raw), history
+    ``sampling.History`` of width K (a power of two >= ``MIN_HISTORY``).
+    """
+
+    temperature: Any
+    top_k: Any
+    top_p: Any
+    min_p: Any
+    seeds: Any
+    steps: Any
+    top_temperature: Any
+    history: History
 
 
 class Work(NamedTuple):
@@ -120,6 +158,11 @@ class Work(NamedTuple):
     ``spec`` > 0 makes it a speculative round of ``spec`` proposals: ``tokens`` is the
     pending token followed by the n-gram proposals, or the pending token alone when the
     backend's draft model proposes on the device.
+
+    ``prompt_targets`` (prompt logprobs): aligned with ``tokens``, the prompt token each
+    fed position predicts (-1 where none is wanted); the row then runs in a call that
+    keeps the logits at every position, and ``StepResult.prompt_logprobs`` brings back
+    their raw log-probabilities, ranks and the top ``prompt_top``.
     """
 
     slot: int
@@ -128,6 +171,8 @@ class Work(NamedTuple):
     top: int = 0
     top_temperature: float = 0.0
     spec: int = 0
+    prompt_targets: tuple[int, ...] | None = None
+    prompt_top: int = 0
 
 
 class SwapIn(NamedTuple):
@@ -182,6 +227,10 @@ class StepResult(NamedTuple):
     spec_tokens: np.ndarray | None = None  # int32[len(work), k + 1]: kept proposals, then the new token
     spec_logprobs: np.ndarray | None = None  # f32[len(work), k + 1]
     proposed: np.ndarray | None = None  # int32[len(work), k]: the proposals (draft or n-gram)
+    ranks: np.ndarray | None = None  # int32[len(work)]: the sampled token's raw rank (rows wanting it)
+    # work position -> (logprob f32[n], rank int32[n], top_logprobs f32[n, K], top_ids
+    # int32[n, K]) at its n fed positions, for rows with Work.prompt_targets.
+    prompt_logprobs: dict | None = None
 
 
 class _StepOut(NamedTuple):
@@ -190,6 +239,8 @@ class _StepOut(NamedTuple):
     status: Any  # int32[B_pad]
     top_logprobs: Any  # f32[B_pad, num_top]
     top_ids: Any  # int32[B_pad, num_top]
+    ranks: Any  # int32[B_pad]: the sampled token's raw rank (0 when num_top is 0)
+    prompt: Any = None  # prompt-logprobs calls: sampling.token_logprobs at [B_pad, T]
 
 
 class _VerifyOut(NamedTuple):
@@ -200,11 +251,6 @@ class _VerifyOut(NamedTuple):
     proposals: Any  # int32[B_pad, k]
 
 
-def _all_greedy(rows: list[SampleRow]) -> bool:
-    """Static flag: a batch of greedy rows compiles without the sort (cheaper)."""
-    return all(r.temperature == 0 for r in rows)
-
-
 # Jitted functions are shared by every runner (module-level caches), so engines with the
 # same shapes compile once per process; a runner counts only the traces its calls cause.
 _TRACES: collections.Counter = collections.Counter()
@@ -213,20 +259,43 @@ _TRACES: collections.Counter = collections.Counter()
 @functools.cache
 def _fused(step: Callable) -> Callable:
     """jit(step, then sample): one program and one dispatch per model call. Its Python
-    body runs only when it traces, which ``_TRACES`` counts. State and pages are donated."""
+    body runs only when it traces, which ``_TRACES`` counts. State and pages are donated.
 
-    def traced(params, state, pages, tokens, seq_ids, num_tokens, temperature, top_k, top_p, seeds, steps,
-               top_temperature, *, greedy_only, num_top):
+    One program per (rows, width, num_top, history width) whatever the rows' sampling
+    options: the greedy shortcut and the penalties/min-tokens scatter are ``lax.cond``s
+    on the batch's values (``sampling.sample``), skipped at run time when no row needs
+    them. ``num_top`` (static) > 0 adds the top-K and the sampled tokens' ranks (beam
+    search, logprobs): 0 keeps them out of the common program, whose compile they would
+    lengthen. ``prompt_top`` > 0 (static) is the prompt-logprobs variant: the step keeps
+    the logits at every fed position, samples at each row's last, and also returns
+    ``token_logprobs`` of ``prompt_targets`` int32[B, T] at every position."""
+
+    def traced(params, state, pages, tokens, seq_ids, num_tokens, rows: SamplingBatch, prompt_targets, *,
+               num_top, prompt_top):
         _TRACES[fused] += 1
-        logits, state, pages, status = step(params, state, pages, tokens, seq_ids, num_tokens)
-        toks, logprobs = sample(logits, temperature, top_k, top_p, seeds, steps, greedy_only=greedy_only)
-        if num_top:
-            top_lp, top_ids = top_logprobs(logits, top_temperature, num_top)
+        prompt = None
+        if prompt_top:
+            every, state, pages, status = step(params, state, pages, tokens, seq_ids, num_tokens, all_logits=True)
+            b, t = tokens.shape
+            logits = every[jnp.arange(b), jnp.clip(num_tokens.astype(jnp.int32) - 1, 0, t - 1)]
+            prompt = token_logprobs(every, prompt_targets, prompt_top)
         else:
-            top_lp, top_ids = jnp.zeros((toks.shape[0], 0), jnp.float32), jnp.zeros((toks.shape[0], 0), jnp.int32)
-        return _StepOut(toks, logprobs, status, top_lp, top_ids), state, pages
+            logits, state, pages, status = step(params, state, pages, tokens, seq_ids, num_tokens)
+        toks, logprobs = sample(logits, rows.temperature, rows.top_k, rows.top_p, rows.seeds, rows.steps,
+                                min_p=rows.min_p, history=rows.history)
+        toks = jnp.where(jnp.isnan(logits).any(axis=-1), NAN_TOKEN, toks)
+        b = toks.shape[0]
+        if num_top:
+            raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+            own = jnp.take_along_axis(raw, toks[:, None], axis=-1)
+            top_lp, top_ids = top_logprobs(logits, rows.top_temperature, num_top)
+            ranks = (raw >= own).sum(axis=-1).astype(jnp.int32)
+        else:
+            top_lp, top_ids = jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.int32)
+            ranks = jnp.zeros((b,), jnp.int32)
+        return _StepOut(toks, logprobs, status, top_lp, top_ids, ranks, prompt), state, pages
 
-    fused = jax.jit(traced, donate_argnums=(1, 2), static_argnames=("greedy_only", "num_top"))
+    fused = jax.jit(traced, donate_argnums=(1, 2), static_argnames=("num_top", "prompt_top"))
     return fused
 
 
@@ -234,10 +303,12 @@ def _fused(step: Callable) -> Callable:
 def _fused_verify(step: Callable, propose: Callable | None) -> Callable:
     """jit(one speculative round): the target over the proposals (n-gram: given; draft:
     ``propose`` makes them in the same program), the acceptance rule, and ``truncate``
-    back to the accepted tokens: one program, state and pages donated."""
+    back to the accepted tokens: one program, state and pages donated. ``greedy_only``
+    None (the runner's): whether every row is greedy (no sort, no draws) is decided at
+    run time inside the one program; True/False force it (a program of its own)."""
 
     def traced(params, state, pages, tokens, seq_ids, num_tokens, temperature, top_k, top_p, seeds, steps, *,
-               greedy_only):
+               greedy_only=None):
         _TRACES[fused] += 1
         seq_ids = seq_ids.astype(jnp.int32)
         real = seq_ids != NO_SEQ
@@ -248,10 +319,20 @@ def _fused_verify(step: Callable, propose: Callable | None) -> Callable:
         else:
             proposals, draft_probs, logits, state, pages, status = propose(
                 params, state, pages, tokens[:, 0], seq_ids, num_tokens, temperature, top_k, top_p, seeds, steps)
-            if greedy_only:
-                draft_probs = None  # greedy acceptance compares argmaxes
-        out = speculative.verify(logits, proposals, jnp.maximum(num_tokens - 1, 0), draft_probs, temperature,
-                                 top_k, top_p, seeds, steps, greedy_only=greedy_only)
+
+        def run(greedy: bool):
+            # Greedy acceptance compares argmaxes: no draft distribution needed.
+            return speculative.verify(logits, proposals, jnp.maximum(num_tokens - 1, 0),
+                                      None if greedy else draft_probs, temperature, top_k, top_p, seeds, steps,
+                                      greedy_only=greedy)
+
+        if greedy_only is None:
+            out = jax.lax.cond(jnp.all(temperature == 0), lambda: run(True), lambda: run(False))
+        else:
+            out = run(greedy_only)
+        nan = jnp.isnan(logits).any(axis=(1, 2))  # the row's result is void: keep only the pending token
+        out = out._replace(accepted=jnp.where(nan, 0, out.accepted),
+                           tokens=jnp.where(nan[:, None], NAN_TOKEN, out.tokens))
         # Keep the pending token and the accepted proposals; the new token is fed next round.
         state, cut = truncate(state, jnp.where(real, seq_ids, NO_SEQ), jnp.where(real, start + 1 + out.accepted, 0))
         status = jnp.where(status == 0, cut, status)
@@ -373,6 +454,8 @@ class ModelRunner:
         width = max((out.top_ids.shape[1] for out in host_outs if isinstance(out, _StepOut)), default=0)
         top_lp = np.zeros((len(plan.work), width), np.float32)
         top_ids = np.zeros((len(plan.work), width), np.int32)
+        ranks = np.zeros(len(plan.work), np.int32)
+        prompt = {}
         spec = {}
         for out, positions in zip(host_outs, order, strict=True):
             n = len(positions)
@@ -385,7 +468,13 @@ class ModelRunner:
             logprobs[positions] = out.logprobs[:n]
             top_lp[positions, :k] = out.top_logprobs[:n]
             top_ids[positions, :k] = out.top_ids[:n]
-        return StepResult(tokens, logprobs, top_lp, top_ids, swapped, self.view, **spec)
+            ranks[positions] = out.ranks[:n]
+            if out.prompt is not None:
+                for r, i in enumerate(positions):
+                    fed = len(plan.work[i].tokens)
+                    prompt[i] = tuple(np.asarray(x[r, :fed]) for x in out.prompt)
+        return StepResult(tokens, logprobs, top_lp, top_ids, swapped, self.view, **spec, ranks=ranks,
+                          prompt_logprobs=prompt)
 
     def _spec_result(self, out: _VerifyOut, positions: list[int], num_work: int) -> dict:
         """The verification call's outputs scattered to the plan's work positions."""
@@ -487,9 +576,12 @@ class ModelRunner:
     def _run_model(self, work: list[Work], statuses: list) -> tuple[list[_StepOut], list[list[int]]]:
         """Decode rows in one call, chunks in as few prefill calls as fit the area bound."""
         outs, order = [], []
-        decode = [i for i, w in enumerate(work) if len(w.tokens) == 1 and not w.spec]
+        # Rows wanting prompt logprobs need every position's logits: calls of their own.
+        prompt = [i for i, w in enumerate(work) if w.prompt_targets is not None and not w.spec]
+        plain = [w.prompt_targets is None for w in work]
+        decode = [i for i, w in enumerate(work) if len(w.tokens) == 1 and not w.spec and plain[i]]
         verify = [i for i, w in enumerate(work) if w.spec]
-        chunks = [i for i, w in enumerate(work) if len(w.tokens) > 1 and not w.spec]
+        chunks = [i for i, w in enumerate(work) if len(w.tokens) > 1 and not w.spec and plain[i]]
         if decode:
             size = buckets.decode_rows(len(decode), self.config.max_num_seqs)
             outs.append(self._call("decode", [work[i] for i in decode], (size, 1), statuses))
@@ -503,15 +595,38 @@ class ModelRunner:
             group = [chunks[m] for m in members]
             outs.append(self._call("prefill", [work[i] for i in group], (rows, width), statuses))
             order.append(group)
+        for rows, width, members in buckets.plan_prefill([len(work[i].tokens) for i in prompt], area,
+                                                          self.config.max_num_seqs):
+            group = [prompt[m] for m in members]
+            outs.append(self._call("prefill", [work[i] for i in group], (rows, width), statuses, prompt=True))
+            order.append(group)
         return outs, order
 
     @staticmethod
-    def _sampling(items: list[Work], size: int) -> tuple:
-        """(temperature, top_k, top_p, seeds, steps) arrays of ``items`` padded to ``size``."""
+    def _sampling(items: list[Work], size: int) -> SamplingBatch:
+        """The sampling inputs of ``items`` padded to ``size`` rows (host arrays).
+
+        The history's width is the longest row's entries bucketed to a power of two, at
+        least ``MIN_HISTORY``: a batch whose rows need no penalties (all padding) has the
+        narrowest, so it shares its program with small-history batches."""
         rows = [w.sample for w in items] + [_PAD_SAMPLE] * (size - len(items))
         cols = list(zip(*rows, strict=True))
-        return (np.asarray(cols[0], np.float32), np.asarray(cols[1], np.int32), np.asarray(cols[2], np.float32),
-                np.asarray(cols[3], np.uint32), np.asarray(cols[4], np.int32))
+        longest = max((len(r.history[0]) for r in rows if r.history is not None), default=0)
+        history = empty_history(size, buckets.bucket(longest, lo=MIN_HISTORY))
+        for i, r in enumerate(rows):
+            if r.history is not None:
+                n = len(r.history[0])
+                history.ids[i, :n], history.counts[i, :n], history.flags[i, :n] = r.history
+        history = history._replace(presence=np.asarray(cols[6], np.float32), frequency=np.asarray(cols[7], np.float32),
+                                   repetition=np.asarray(cols[8], np.float32))
+        top_temperature = np.zeros(size, np.float32)
+        top_temperature[: len(items)] = [w.top_temperature for w in items]
+        return SamplingBatch(
+            temperature=np.asarray(cols[0], np.float32), top_k=np.asarray(cols[1], np.int32),
+            top_p=np.asarray(cols[2], np.float32), min_p=np.asarray(cols[5], np.float32),
+            seeds=np.asarray(cols[3], np.uint32), steps=np.asarray(cols[4], np.int32),
+            top_temperature=top_temperature, history=history,
+        )
 
     def _call_verify(self, items: list[Work], statuses: list) -> _VerifyOut:
         """One speculative round for ``items`` (``Work.spec`` proposals each): rows padded
@@ -526,11 +641,14 @@ class ModelRunner:
             tokens[i, : len(w.tokens)] = w.tokens
             num[i] = w.spec + 1
         seq_ids = buckets.pad_ids([w.slot for w in items], size)
+        rows = self._sampling(items, size)
         before = _TRACES[self._verify]
         start = time.perf_counter()
+        # Rows that speculate use none of the history/min-p machinery (the scheduler's
+        # ``_propose`` gives such rows no proposals), so verification takes the basics.
         out, self.cache_state, self.pages = self._verify(
-            self.params, self.cache_state, self.pages, tokens, seq_ids, num, *self._sampling(items, size),
-            greedy_only=_all_greedy([w.sample for w in items]),
+            self.params, self.cache_state, self.pages, tokens, seq_ids, num, rows.temperature, rows.top_k,
+            rows.top_p, rows.seeds, rows.steps,
         )
         if traced := _TRACES[self._verify] - before:
             self.traces["verify"] += traced
@@ -538,22 +656,30 @@ class ModelRunner:
         statuses.append(("verify", seq_ids, out.status))
         return out
 
-    def _call(self, name: str, items: list[Work], shape: tuple[int, int], statuses: list) -> _StepOut:
-        """One fused model call over ``items`` padded to ``shape``, counting any trace."""
+    def _call(self, name: str, items: list[Work], shape: tuple[int, int], statuses: list,
+              prompt: bool = False) -> _StepOut:
+        """One fused model call over ``items`` padded to ``shape``, counting any trace;
+        ``prompt``: the prompt-logprobs variant (every item has ``prompt_targets``)."""
         batch = buckets.pad_batch([w.slot for w in items], [w.tokens for w in items], shape=shape)
-        rows = [w.sample for w in items]
-        top_temperature = np.zeros(shape[0], np.float32)
-        top_temperature[: len(items)] = [w.top_temperature for w in items]
-        sampling = (*self._sampling(items, shape[0]), top_temperature)
-        top = max(w.top for w in items)
+        sampling = self._sampling(items, shape[0])
+        vocab = self.backend.vocab_size
+        top = max(max(w.top, w.sample.num_logprobs) for w in items)
+        wants = any(w.top > 0 or w.sample.num_logprobs >= 0 for w in items)
         # One compiled width for every beam up to 8 (2W candidates) and for logprobs<=16:
         # a top-k of 16 costs no more than one of 4 next to the log-softmax it follows.
-        num_top = buckets.bucket(top, lo=MIN_TOP, cap=self.backend.vocab_size) if top else 0
+        num_top = buckets.bucket(min(max(top, 1), vocab), lo=MIN_TOP, cap=vocab) if wants else 0
+        targets, prompt_top = None, 0
+        if prompt:
+            targets = np.full(shape, -1, np.int32)
+            for i, w in enumerate(items):
+                targets[i, : len(w.prompt_targets)] = w.prompt_targets
+            want = max(w.prompt_top for w in items)
+            prompt_top = buckets.bucket(min(max(want, 1), vocab), lo=MIN_TOP, cap=vocab)
         before = _TRACES[self._step]
         start = time.perf_counter()
         out, self.cache_state, self.pages = self._step(
-            self.params, self.cache_state, self.pages, batch.tokens, batch.seq_ids, batch.num_tokens, *sampling,
-            greedy_only=_all_greedy(rows), num_top=num_top,
+            self.params, self.cache_state, self.pages, batch.tokens, batch.seq_ids, batch.num_tokens, sampling,
+            targets, num_top=num_top, prompt_top=prompt_top,
         )
         if traced := _TRACES[self._step] - before:
             # Tracing and compiling happen inside the call, before it returns (execution

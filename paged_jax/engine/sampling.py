@@ -1,10 +1,32 @@
 """Sampling parameters and the jitted batch sampler.
 
-``SamplingParams`` keeps vLLM's names and defaults. ``sample`` turns a batch of logits
-into one token per row with per-row temperature, top-k, top-p and seed. A row's random
-draw is a pure function of its own ``(seed, step)`` pair, never of which other rows share
-the batch, its position in it, or the padded batch size: that is what makes seeded
-sampling reproducible across preemption, recompute and different batch mixes.
+``SamplingParams`` keeps vLLM's names, defaults and validation. ``sample`` turns a batch
+of logits into one token per row with per-row temperature, top-k, top-p, min-p, seed,
+penalties and min-tokens masking. A row's random draw is a pure function of its own
+``(seed, step)`` pair, never of which other rows share the batch, its position in it, or
+the padded batch size: that is what makes seeded sampling reproducible across preemption,
+recompute and different batch mixes.
+
+The order is vLLM v1's (``vllm/v1/sample/sampler.py``), per row:
+
+1. min-tokens: while a completion has fewer than ``min_tokens`` outputs, its stop token
+   ids and EOS get logit -inf;
+2. penalties on the raw logits: repetition (a token seen in the prompt or the output:
+   a positive logit divided by it, a negative one multiplied), then frequency
+   (``- f * count``) and presence (``- p * (count > 0)``), counts over the output only;
+3. greedy rows (temperature 0) take the argmax here;
+4. temperature, then min-p (drop tokens whose probability is below ``min_p`` times the
+   most likely one's), then top-k, then top-p (on the distribution left after min-p and
+   top-k), then the inverse-CDF draw.
+
+Steps 1-2 read a per-row sparse ``History`` (token ids, output counts, flags) built on
+the host (see ``History``). One compiled program serves every mix of rows: the greedy
+choice and whether any row needs steps 1-2 are run-time conditions (``jax.lax.cond``),
+so a batch that needs neither skips the sort and the scatter without a program of its own.
+
+Reported log-probabilities are vLLM v1's default ``logprobs_mode="raw_logprobs"``:
+``log_softmax`` of the model's unmodified logits, before penalties, temperature and
+truncation; ranks count the tokens at least as likely (``Logprob.rank``, 1 = the best).
 """
 
 from __future__ import annotations
@@ -12,10 +34,31 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+# History flags (int32 bit field).
+SEEN = 1  # the token occurs in the prompt or the output: the repetition penalty applies
+BANNED = 2  # min_tokens not reached and the token would stop the completion: logit -inf
+
+
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """One token's entry in a logprobs dict (vLLM's ``Logprob``).
+
+    Attributes:
+      logprob: its log-probability under the model's raw distribution.
+      rank: vLLM's: the number of tokens whose log-probability is >= its own (1 = the
+        most likely); the top-k entries carry their position (1..k).
+      decoded_token: its text, when a tokenizer filled it in (else None).
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -28,9 +71,30 @@ class SamplingParams:
       top_p: nucleus sampling: keep the smallest set of most likely tokens whose
         probability reaches ``top_p``; in (0, 1], 1 disables it.
       top_k: keep the ``top_k`` most likely tokens; -1 (or 0) disables it.
+      min_p: in [0, 1]; after temperature, drop tokens whose probability is below
+        ``min_p`` times the most likely token's (before top-k/top-p, as vLLM); 0 disables.
+      presence_penalty, frequency_penalty: in [-2, 2]; subtracted from the raw logits
+        of tokens the output already holds: ``frequency * count + presence * (count > 0)``.
+      repetition_penalty: > 0, 1 disables; a token in the prompt or the output has its
+        raw logit divided by it when positive, multiplied by it when negative.
+      min_tokens: 0 <= min_tokens <= max_tokens: until the output holds that many
+        tokens, EOS (unless ``ignore_eos``) and ``stop_token_ids`` cannot be sampled.
+      logprobs: None, or k >= 0: per output token, the raw log-probability and rank of
+        the sampled token and of the k most likely (``Sequence.output_logprobs``).
+      prompt_logprobs: None, or k >= 0: per prompt position, the same for the prompt
+        token and the k most likely (``SequenceGroup.prompt_logprobs``). Such a request
+        does not start on prefix-cache hits until its prompt logprobs are complete.
       seed: per-request seed; None derives one from the engine seed and request id.
-      stop_token_ids: generation stops after sampling any of these (kept in the output).
+      stop_token_ids: generation stops after sampling any of these (kept in the output;
+        ``Sequence.stop_reason`` records which).
       ignore_eos: do not stop at the model's EOS token.
+      stop: stop strings (a string or a list; needs a tokenizer): generation stops when
+        the output text contains one; the text is cut before it and ``stop_reason`` is it
+        (``engine/text_output.py``). Checked once the output holds ``min_tokens``.
+      include_stop_str_in_output: keep the matched stop string in the text.
+      skip_special_tokens: leave special tokens (EOS, chat headers) out of the text.
+      spaces_between_special_tokens: vLLM's flag; the ``tokenizers`` decoders have no
+        such option, so it is accepted and has no effect (as with vLLM's fast tokenizers).
       n: completions per prompt (parallel sampling). The prompt is prefilled once and
         forked ``n`` ways: its full blocks are shared, and the partly filled last one is
         copied on first write. Completion i draws from its own stream, a pure function of
@@ -41,14 +105,28 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = 1
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self):
         def is_int(x):
             return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+        def is_real(x):
+            return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens!r}: must be an int >= 1")
@@ -58,18 +136,57 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p!r}: must be in (0, 1]")
         if not is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k={self.top_k!r}: must be -1 or 0 (disabled) or an int >= 1")
+        if not is_real(self.min_p) or not (0 <= self.min_p <= 1):
+            raise ValueError(f"min_p={self.min_p!r}: must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not is_real(value) or not (-2 <= value <= 2):
+                raise ValueError(f"{name}={value!r}: must be in [-2, 2]")
+        if not is_real(self.repetition_penalty) or not (self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty={self.repetition_penalty!r}: must be > 0 (1 disables it)")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens={self.min_tokens!r}: must be an int >= 0")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 0):
+                raise ValueError(f"{name}={value!r}: must be None or an int >= 0")
         if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"seed={self.seed!r}: must be None or an int")
-        stop = tuple(self.stop_token_ids)
-        if not all(is_int(t) and t >= 0 for t in stop):
+        stop = self.stop_token_ids
+        stop = (stop,) if is_int(stop) else tuple(stop) if isinstance(stop, list | tuple | np.ndarray) else None
+        if stop is None or not all(is_int(t) and t >= 0 for t in stop):
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r}: must be non-negative ints")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
         if not is_int(self.n) or self.n < 1:
             raise ValueError(f"n={self.n!r}: must be an int >= 1")
+        strings = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(strings, list | tuple) or not all(isinstance(x, str) and x for x in strings):
+            raise ValueError(f"stop={self.stop!r}: must be a non-empty string or a list of them")
+        object.__setattr__(self, "stop", tuple(strings))
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                     "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be True or False")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Any of presence, frequency or repetition penalty is on."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def as_token_ids(ids) -> tuple[int, ...]:
+    """An EOS setting (None, an int, or a sequence of ints) as a tuple of ints."""
+    if ids is None:
+        return ()
+    if isinstance(ids, numbers.Integral):
+        return (int(ids),)
+    return tuple(int(t) for t in ids)
 
 
 def completion_seed(request_seed: int, completion: int) -> int:
@@ -110,25 +227,119 @@ def _uniform(seeds: jax.Array, steps: jax.Array) -> jax.Array:
     return (x >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
 
 
-def _truncated(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array):
+class History(NamedTuple):
+    """What steps 1-2 of the sampler (module docstring) need of each row's past, sparse.
+
+    A row lists the distinct token ids its penalties or its min-tokens mask touch, padded
+    with -1 to a common width ``K``; the host builds it from the ``Sequence`` (whose
+    output counts are kept incrementally), the sampler gathers those ``K`` logits,
+    adjusts them and scatters them back. So nothing ``[B, V]`` crosses to the device and
+    a row that needs nothing costs nothing but padding. ``K`` is a power of two (at least
+    ``runner.MIN_HISTORY``): only a batch with a long history compiles a wider program.
+
+    Attributes:
+      ids: int32[B, K]: token ids, distinct within a row; -1 is padding.
+      counts: int32[B, K]: occurrences of the token in the output (frequency/presence).
+      flags: int32[B, K]: ``SEEN`` (in the prompt or the output: repetition penalty
+        applies) | ``BANNED`` (logit -inf: min_tokens not reached).
+      presence, frequency, repetition: f32[B]: the row's penalties (0, 0, 1 = none).
+    """
+
+    ids: jax.Array
+    counts: jax.Array
+    flags: jax.Array
+    presence: jax.Array
+    frequency: jax.Array
+    repetition: jax.Array
+
+
+def apply_history(logits: jax.Array, history: History) -> jax.Array:
+    """f32[B, V]: ``logits`` f32[B, V] after min-tokens masking and the penalties (vLLM's
+    order and formulas: repetition, then frequency, then presence; -inf for banned)."""
+    logits = jnp.asarray(logits, jnp.float32)
+    b, vocab = logits.shape
+    # Padding (and any id past the vocabulary) points out of range: the scatter drops it.
+    ids = jnp.where((history.ids >= 0) & (history.ids < vocab), history.ids, vocab)
+    vals = jnp.take_along_axis(logits, jnp.minimum(ids, vocab - 1), axis=1)
+    rep = history.repetition[:, None]
+    seen = (history.flags & SEEN) != 0
+    vals = jnp.where(seen, jnp.where(vals > 0, vals / rep, vals * rep), vals)
+    counts = history.counts.astype(jnp.float32)
+    vals = vals - history.frequency[:, None] * counts - history.presence[:, None] * (counts > 0)
+    vals = jnp.where((history.flags & BANNED) != 0, -jnp.inf, vals)
+    return logits.at[jnp.arange(b)[:, None], ids].set(vals, mode="drop")
+
+
+def empty_history(batch: int, width: int = 1) -> History:
+    """A ``History`` that changes nothing (every entry padding)."""
+    return History(np.full((batch, width), -1, np.int32), np.zeros((batch, width), np.int32),
+                   np.zeros((batch, width), np.int32), np.zeros(batch, np.float32), np.zeros(batch, np.float32),
+                   np.ones(batch, np.float32))
+
+
+def _truncated(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+               min_p: jax.Array | None = None):
     """The ranking ``sample`` and ``sampling_probs`` share: ``(order int32[..., V]`` token
     ids most likely first (ties by id), ``probs f32[..., V]`` the softmax of
-    ``logits / temperature`` over the top-k prefix in that order, ``keep bool[..., V]``
-    the top-k and top-p prefix)``. temperature, top_k, top_p: shaped like ``logits``
-    without its last axis."""
+    ``logits / temperature`` over the min-p and top-k prefix in that order, ``keep
+    bool[..., V]`` the min-p, top-k and top-p prefix, ``cumulative f32[..., V]`` the
+    cumsum of ``probs``)``. temperature, top_k, top_p,
+    min_p: shaped like ``logits`` without its last axis; min_p None means 0."""
     vocab = logits.shape[-1]
     scaled = logits / jnp.maximum(temperature, 1e-6)[..., None]
     ids = jnp.broadcast_to(jnp.arange(vocab, dtype=jnp.int32), scaled.shape)
     neg_sorted, order = jax.lax.sort_key_val(-scaled, ids, dimension=-1)  # stable: ties by id
     keep = jnp.arange(vocab) < jnp.where(top_k > 0, top_k, vocab)[..., None]
+    if min_p is not None:
+        # vLLM's min-p runs before top-k, on the full tempered distribution: p >= min_p *
+        # p_max, i.e. a logit gap of at most -log(min_p) (min_p 0: -inf, all kept; no
+        # softmax needed). In rank order its survivors are a prefix too.
+        keep &= neg_sorted[..., :1] - neg_sorted >= jnp.log(min_p)[..., None]
     probs = jax.nn.softmax(jnp.where(keep, -neg_sorted, -jnp.inf), axis=-1)
     # Keep a token while the ones ranked above it have not reached top_p; the most likely
-    # token is always kept. Both masks are prefixes of the ranking.
-    keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[..., None]
-    return order, probs, keep
+    # token is always kept. Every mask is a prefix of the ranking.
+    cumulative = jnp.cumsum(probs, axis=-1)
+    keep &= (cumulative - probs) < top_p[..., None]
+    return order, probs, keep, cumulative
+
+
+def _draw_truncated(logits, temperature, top_k, top_p, min_p, seeds, steps):
+    """int32[B]: the inverse-CDF draw of ``sample`` for every row (greedy rows included)."""
+    order, _, keep, cumulative = _truncated(logits, temperature, top_k, top_p, min_p)
+    # ``keep`` is a prefix, so the kept tokens' CDF is ``cumulative`` on it: no second
+    # cumsum (each costs compile time on XLA:CPU).
+    kept = keep.sum(axis=-1)
+    total = jnp.take_along_axis(cumulative, (kept - 1)[:, None], axis=-1)[:, 0]
+    target = _uniform(seeds, steps) * total
+    choice = jnp.minimum((keep & (cumulative <= target[:, None])).sum(axis=-1), kept - 1)
+    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
 
 
 @functools.partial(jax.jit, static_argnames="greedy_only")
+def _sample(logits, temperature, top_k, top_p, seeds, steps, min_p, history, greedy_only):
+    logits = logits.astype(jnp.float32)
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    if history is not None:
+        # Skipped at run time when no row lists anything (every id padding).
+        logits = jax.lax.cond(jnp.any(history.ids >= 0), apply_history, lambda x, _: x, logits, history)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if min_p is None:
+        min_p = jnp.zeros_like(temperature)
+
+    def sampled():
+        drawn = _draw_truncated(logits, temperature, top_k, top_p, min_p, seeds, steps)
+        return jnp.where(temperature == 0, greedy, drawn).astype(jnp.int32)
+
+    if greedy_only is None:  # one program: the sort runs only if some row samples
+        tokens = jax.lax.cond(jnp.all(temperature == 0), lambda: greedy, sampled)
+    elif greedy_only:
+        tokens = greedy
+    else:
+        tokens = sampled()
+    logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    return tokens, logprobs
+
+
 def sample(
     logits: jax.Array,
     temperature: jax.Array,
@@ -137,9 +348,11 @@ def sample(
     seeds: jax.Array,
     steps: jax.Array,
     *,
-    greedy_only: bool = False,
+    min_p: jax.Array | None = None,
+    history: History | None = None,
+    greedy_only: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """One token per row.
+    """One token per row (jitted; callable inside a jit).
 
     Args:
       logits: f32[B, V].
@@ -148,29 +361,23 @@ def sample(
       top_p: f32[B] in (0, 1].
       seeds: uint32[B] per-request seeds.
       steps: int32[B] index of the token being sampled within its request's output.
-      greedy_only: static; every row is greedy: skip the sort (a cheaper program).
+      min_p: f32[B] in [0, 1], or None (0 for every row).
+      history: the rows' penalties and min-tokens bans (``History``), or None.
+      greedy_only: None (default): decided at run time, inside one program, whether
+        every row is greedy (then the sort is skipped). True/False force it statically
+        (a program of its own; kept for callers that know).
 
-    Sampling is by inverse CDF: sort the (temperature-scaled) logits, keep the top-k
-    prefix and the top-p prefix, and pick where a uniform draw ``_uniform(seed, step)``
-    falls in their cumulative probabilities. Ties are broken by token id.
+    The order of the processing is the module docstring's. Sampling is by inverse CDF:
+    sort the processed, temperature-scaled logits, keep the min-p, top-k and top-p
+    prefix, and pick where a uniform draw ``_uniform(seed, step)`` falls in their
+    cumulative probabilities. Ties are broken by token id.
 
     Returns:
       (tokens int32[B], logprobs f32[B]): the token and its log-probability under the
-      model's unmodified distribution (``log_softmax(logits)``, before temperature and
-      truncation, as vLLM and Hugging Face report it).
+      model's unmodified distribution (``log_softmax(logits)``, before penalties,
+      temperature and truncation, as vLLM v1 and Hugging Face report it).
     """
-    logits = logits.astype(jnp.float32)
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if not greedy_only:
-        order, probs, keep = _truncated(logits, temperature, top_k, top_p)
-        cdf = jnp.cumsum(jnp.where(keep, probs, 0.0), axis=-1)
-        target = _uniform(seeds, steps) * cdf[:, -1]
-        choice = jnp.minimum((cdf <= target[:, None]).sum(axis=-1), keep.sum(axis=-1) - 1)
-        sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
-        tokens = jnp.where(temperature == 0, tokens, sampled)
-    logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-    return tokens, logprobs
+    return _sample(logits, temperature, top_k, top_p, seeds, steps, min_p, history, greedy_only)
 
 
 def top_logprobs(logits: jax.Array, temperature: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -190,23 +397,48 @@ def top_logprobs(logits: jax.Array, temperature: jax.Array, k: int) -> tuple[jax
     return values, ids.astype(jnp.int32)
 
 
-def sampling_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+def token_logprobs(logits: jax.Array, tokens: jax.Array, k: int):
+    """Raw log-probabilities of given tokens, their ranks and the top ``k`` (vLLM v1's
+    ``raw_logprobs``).
+
+    Args:
+      logits: f32[..., V].
+      tokens: int32[...]: one token per row (a negative id gives rank/logprob of id 0).
+      k: static, 0 <= k <= V.
+
+    Returns ``(logprob f32[...], rank int32[...], top_logprobs f32[..., k], top_ids
+    int32[..., k])``: rank = the number of tokens whose log-probability is >= the token's
+    (1 = the most likely; vLLM's ``batched_count_greater_than``), the top most likely
+    first, ties by lower id.
+    """
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    lp = jnp.take_along_axis(logprobs, jnp.maximum(tokens, 0)[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    rank = (logprobs >= lp[..., None]).sum(axis=-1).astype(jnp.int32)
+    top_lp, top_ids = jax.lax.top_k(logprobs, k)
+    return lp, rank, top_lp, top_ids.astype(jnp.int32)
+
+
+def sampling_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                   min_p: jax.Array | None = None) -> jax.Array:
     """The distribution ``sample`` draws from, as probabilities in token-id order.
 
     Args:
-      logits: f32[..., V]; temperature, top_k, top_p: per row, shaped like ``logits``
+      logits: f32[..., V] (already processed: ``apply_history`` is not applied here);
+        temperature, top_k, top_p, min_p (None: 0): per row, shaped like ``logits``
         without the vocabulary axis (broadcastable). A greedy row (temperature 0) is
         one-hot on its argmax (lowest id among ties, as ``jnp.argmax``).
 
-    Returns f32[..., V]: the softmax of ``logits / temperature`` restricted to the top-k
-    and top-p prefix of the ranking (ties ranked by id), renormalised: exactly the set and
-    the weights ``sample`` uses. Speculative decoding's acceptance rule needs these.
+    Returns f32[..., V]: the softmax of ``logits / temperature`` restricted to the min-p,
+    top-k and top-p prefix of the ranking (ties ranked by id), renormalised: exactly the
+    set and the weights ``sample`` uses. Speculative decoding's acceptance rule needs these.
     """
     logits = logits.astype(jnp.float32)
     vocab = logits.shape[-1]
-    temperature = jnp.broadcast_to(temperature, logits.shape[:-1])
-    order, probs, keep = _truncated(logits, temperature, jnp.broadcast_to(top_k, logits.shape[:-1]),
-                                    jnp.broadcast_to(top_p, logits.shape[:-1]))
+    shape = logits.shape[:-1]
+    temperature = jnp.broadcast_to(temperature, shape)
+    order, probs, keep, _ = _truncated(logits, temperature, jnp.broadcast_to(top_k, shape),
+                                    jnp.broadcast_to(top_p, shape),
+                                    None if min_p is None else jnp.broadcast_to(min_p, shape))
     kept = jnp.where(keep, probs, 0.0)
     kept = kept / kept.sum(axis=-1, keepdims=True)
     # Back from rank order to token-id order: position order[j] holds kept[j].

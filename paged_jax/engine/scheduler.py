@@ -31,10 +31,18 @@ One step (``schedule``), under a token budget of ``max_num_batched_tokens``:
    ``max_tokens`` and the budget. Their blocks are counted like any append; when they
    do not fit, the step is planned again without proposals before anyone is preempted,
    so speculation never costs a preemption. The verification rolls back what it rejects.
+   Rows whose sampling verification does not reproduce (penalties, min-p, min_tokens
+   not yet reached, logprobs, missing prompt logprobs: ``_speculates``) get no proposals.
 6. Prefix caching: "free" means the pool plus the cached-free blocks
    (``HostView.num_available``); when the step's allocations exceed the pool, that many
    cached-free blocks are evicted, in the eviction policy's order, at the end of the
-   step's housekeeping.
+   step's housekeeping. A request whose prompt logprobs are incomplete is not looked
+   up (a hit would compute no logits for its positions; vLLM skips the cache likewise);
+   once they are complete (e.g. after a recompute preemption) it may hit again.
+7. Sampling inputs (``_work``): each row's ``SampleRow``, with its penalty and
+   min-tokens ``History`` entries built from the ``Sequence`` (incremental output
+   counts, the prompt's distinct ids computed once), and for prompt logprobs the prompt
+   token each fed position predicts (``Work.prompt_targets``).
 
 Preemption, ``preemption_mode``:
 
@@ -58,7 +66,8 @@ from paged_jax.cache import NO_BLOCK, HostView
 from paged_jax.config import blocks_for
 from paged_jax.engine.prefix_cache import PrefixCache
 from paged_jax.engine.runner import ModelRunner, SampleRow, StepPlan, SwapIn, Work
-from paged_jax.engine.sequence import SeqStatus, Sequence, SequenceGroup
+from paged_jax.engine.sampling import BANNED, SEEN, as_token_ids
+from paged_jax.engine.sequence import FinishReason, SeqStatus, Sequence, SequenceGroup
 from paged_jax.engine.speculative import SpeculativeConfig, ngram_propose
 from paged_jax.engine.victim import VictimPolicy, get_victim_policy
 
@@ -161,6 +170,9 @@ class Scheduler:
         # count as [None] * m: they are made on the device).
         self._proposals: dict[int, list] = {}
         self.counters = SchedulerCounters()
+        # The ids min_tokens bans besides the stop ids (an int, a tuple of ints or None);
+        # the engine keeps it equal to ``LLMEngine.eos_token_id``.
+        self.eos_token_id = getattr(getattr(runner, "backend", None), "eos_token_id", None)
 
     # ------------------------------------------------------------------ queues
 
@@ -239,8 +251,11 @@ class Scheduler:
             while self.waiting and budget >= 1 and self._rows_for(self.waiting[0]):
                 group = self.waiting[0]
                 blocks = group_blocks(group, cfg.block_size, cfg.share_blocks)
-                hits = [] if cache is None else cache.lookup(group, group.live[0])
-                if cache is not None and cache.should_wait(group, group.live[0], hits):
+                # A prompt-logprobs request computes its whole prompt (a hit computes no
+                # logits), as vLLM does, until its prompt logprobs are complete.
+                lookup = cache is not None and not group.needs_prompt_logprobs
+                hits = cache.lookup(group, group.live[0]) if lookup else []
+                if lookup and cache.should_wait(group, group.live[0], hits):
                     break
                 # A hit on a block some row holds costs nothing; one on a cached-free
                 # block takes it out of the free count like a new block.
@@ -277,18 +292,78 @@ class Scheduler:
         if group is not None and group.beam is not None:
             return Work(seq.slot, seq.pending_token_ids(n), SampleRow(0.0, -1, 1.0, 0, 0),
                         top=group.beam.num_candidates, top_temperature=p.temperature)
-        row = SampleRow(p.temperature, p.top_k, p.top_p, seq.seed, len(seq.output_token_ids))
         proposals = self._proposals.get(id(seq))
+        fed = seq.pending_token_ids(1) + [t for t in proposals if t is not None] if proposals else None
+        # A chunk that leaves tokens pending samples nothing we keep: no history to build.
+        samples = bool(proposals) or seq.num_computed + n == seq.num_tokens
+        row = self._sample_row(seq) if samples else SampleRow(p.temperature, p.top_k, p.top_p, seq.seed,
+                                                               len(seq.output_token_ids))
         if proposals:
-            fed = seq.pending_token_ids(1) + [t for t in proposals if t is not None]
             return Work(seq.slot, fed, row, spec=len(proposals))
-        return Work(seq.slot, seq.pending_token_ids(n), row)
+        targets = self._prompt_targets(seq, n) if group is not None and group.needs_prompt_logprobs else None
+        top = (p.logprobs or 0) if samples else 0  # the top-K (raw: top_temperature 0) for logprobs
+        return Work(seq.slot, seq.pending_token_ids(n), row, top=top, prompt_targets=targets,
+                    prompt_top=p.prompt_logprobs or 0)
+
+    def _sample_row(self, seq: Sequence) -> SampleRow:
+        """The row's sampler inputs for its next output token, with its ``History``
+        entries (``sampling.History``): the distinct prompt and output tokens for the
+        repetition penalty, output counts for presence/frequency, and while min_tokens is
+        not reached, the stop ids and EOS (unless ignore_eos) banned. Counts come from
+        ``Sequence.output_counts`` (kept incrementally), the prompt's distinct ids are
+        computed once per sequence."""
+        p = seq.params
+        done = len(seq.output_token_ids)
+        row = SampleRow(p.temperature, p.top_k, p.top_p, seq.seed, done, min_p=p.min_p,
+                        presence=p.presence_penalty, frequency=p.frequency_penalty,
+                        repetition=p.repetition_penalty, num_logprobs=-1 if p.logprobs is None else p.logprobs)
+        banned = self._banned(seq) if done < p.min_tokens else ()
+        repetition = p.repetition_penalty != 1
+        if not (banned or p.uses_penalties):
+            return row
+        counts = seq.output_counts() if p.uses_penalties else {}
+        out_ids = np.fromiter(counts.keys(), np.int32, len(counts))
+        ids = np.union1d(seq.prompt_ids(), out_ids) if repetition else np.sort(out_ids)
+        if banned:
+            ids = np.union1d(ids, np.asarray(banned, np.int32))
+        ids = ids.astype(np.int32)
+        num = np.zeros(len(ids), np.int32)
+        num[np.searchsorted(ids, out_ids)] = np.fromiter(counts.values(), np.int32, len(counts))
+        flags = np.full(len(ids), SEEN if repetition else 0, np.int32)
+        if banned:
+            flags[np.searchsorted(ids, np.asarray(banned, np.int32))] |= BANNED
+        return row._replace(history=(ids, num, flags))
+
+    def _banned(self, seq: Sequence) -> tuple[int, ...]:
+        """The ids min_tokens keeps from being sampled: stop ids, and EOS unless ignore_eos."""
+        eos = () if seq.params.ignore_eos else as_token_ids(self.eos_token_id)
+        return tuple(sorted({*seq.params.stop_token_ids, *eos}))
+
+    @staticmethod
+    def _prompt_targets(seq: Sequence, n: int) -> tuple[int, ...] | None:
+        """For a feed of ``n`` tokens from ``seq.num_computed``: the prompt token each
+        position predicts where its prompt logprob is still missing, else -1; None when
+        no position is wanted (positions already recorded, or past the prompt)."""
+        prompt, have = seq.prompt_token_ids, len(seq.group.prompt_logprobs)
+        start = seq.num_computed
+        targets = tuple(prompt[j + 1] if have <= j + 1 < len(prompt) else -1 for j in range(start, start + n))
+        return targets if any(t >= 0 for t in targets) else None
+
+    @staticmethod
+    def _speculates(seq: Sequence) -> bool:
+        """Whether the row may speculate: verification applies only temperature, top-k and
+        top-p, so rows with penalties, min-p, an active min_tokens, logprobs or missing
+        prompt logprobs decode one token at a time."""
+        p = seq.params
+        return not (p.uses_penalties or p.min_p > 0 or len(seq.output_token_ids) < p.min_tokens
+                    or p.logprobs is not None or seq.group.needs_prompt_logprobs)
 
     def _propose(self, seq: Sequence, budget: int) -> list:
         """This round's proposals for a decoding ``seq`` (at most ``budget``; none for a
-        beam member or a sequence one token from its end)."""
+        beam member, a sequence one token from its end, or one whose sampling options
+        verification does not apply, ``_speculates``)."""
         spec = self.config.speculative
-        if seq.group.beam is not None or not seq.output_token_ids:
+        if seq.group.beam is not None or not seq.output_token_ids or not self._speculates(seq):
             return []
         m = min(spec.num_speculative_tokens, seq.max_tokens - len(seq.output_token_ids) - 1, budget)
         if m <= 0:
@@ -516,3 +591,29 @@ class Scheduler:
         self.counters.blocks_swapped_in += len(group.swapped.host_ids)
         group.swapped = None
         self._start(group)
+
+    # ------------------------------------------------------------------ abort
+
+    def abort(self, group: SequenceGroup) -> None:
+        """End an unfinished request between steps (``LLM.abort``): its unfinished members
+        finish with reason "abort", keeping their tokens. A running group's rows are
+        released at the next step like finished ones (or by ``LLMEngine.flush``); a
+        swapped group's host blocks go back to the swap pool; a waiting one leaves its
+        queue (it holds nothing)."""
+        holding = [s for s in group.seqs if s.slot is not None]
+        for s in group.seqs:
+            if s.finish_reason is None:
+                s.finish_reason = FinishReason.ABORT
+        if group in self.waiting:
+            self.waiting.remove(group)
+        elif group in self.swapped:
+            self.swapped.remove(group)
+            if group.swapped is not None:
+                self.runner.swap_pool.free(list(group.swapped.host_ids))
+                group.swapped = None
+        elif group in self.running:
+            self.finish(holding)
+            if group in self.running:
+                self.running.remove(group)
+        group.pending_select = None
+        group.status = SeqStatus.FINISHED

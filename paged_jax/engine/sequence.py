@@ -39,6 +39,8 @@ import dataclasses
 import enum
 from typing import Any, NamedTuple
 
+import numpy as np
+
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # not holding KV: new, or preempted by recompute
@@ -51,6 +53,8 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens reached, or the sequence filled max_model_len
     STOP = "stop"  # a stop token (or EOS) was sampled; it is kept in the output
     REJECTED = "rejected"  # never ran: the request can never fit the KV pool
+    ABORT = "abort"  # aborted: LLM.abort, or the call it ran in was interrupted
+    ERROR = "error"  # the model's logits were NaN: nothing more could be sampled
 
 
 @dataclasses.dataclass(eq=False)
@@ -67,6 +71,11 @@ class Sequence:
       max_tokens: output tokens allowed: ``params.max_tokens`` capped so that the whole
         sequence fits in ``max_model_len``.
       completion: which completion of the request it is (0 .. n - 1).
+      output_logprobs: with ``params.logprobs`` = k set, one dict per output token:
+        ``{token id: sampling.Logprob}`` for the sampled token and the k most likely
+        (k or k + 1 entries; raw log-probabilities); None when logprobs is None.
+      stop_reason: the stop token id the completion stopped on (vLLM's ``stop_reason``;
+        a stop string's text once those exist); None for EOS, length, or still running.
     """
 
     request_id: str
@@ -84,6 +93,35 @@ class Sequence:
     row_live: bool = False  # the row exists on the device (opened, forked, selected or restored)
     candidates: Any = None  # beam search: (logprobs, ids) of its next token's top-K, once fed
     group: SequenceGroup | None = dataclasses.field(default=None, repr=False)  # set by the group
+    output_logprobs: list[dict] | None = None  # set from params.logprobs (see above)
+    stop_reason: int | str | None = None
+    text_state: Any = dataclasses.field(default=None, repr=False)  # text_output.TextOutputs' (a tokenizer)
+    # Output token counts for the penalties, caught up incrementally (``output_counts``).
+    _counts: dict[int, int] = dataclasses.field(default_factory=dict, init=False, repr=False)
+    _counted: int = dataclasses.field(default=0, init=False, repr=False)
+    _prompt_ids: Any = dataclasses.field(default=None, init=False, repr=False)  # int32[U] distinct prompt ids
+
+    def __post_init__(self):
+        if self.output_logprobs is None and getattr(self.params, "logprobs", None) is not None:
+            self.output_logprobs = []
+
+    def output_counts(self) -> dict[int, int]:
+        """token id -> occurrences in the output. Counts only the tokens appended since the
+        last call (O(new tokens) a step); recounts if the output was cut or rewritten
+        shorter (a beam step, a stop-string trim)."""
+        out = self.output_token_ids
+        if len(out) < self._counted:
+            self._counts, self._counted = {}, 0
+        for t in out[self._counted:]:
+            self._counts[t] = self._counts.get(t, 0) + 1
+        self._counted = len(out)
+        return self._counts
+
+    def prompt_ids(self):
+        """int32[U]: the prompt's distinct token ids, sorted (computed once)."""
+        if self._prompt_ids is None:
+            self._prompt_ids = np.unique(np.asarray(self.prompt_token_ids, np.int32))
+        return self._prompt_ids
 
     @property
     def num_tokens(self) -> int:
@@ -128,6 +166,13 @@ class SequenceGroup:
       beam: for a beam search, its ``beam.BeamState``; None for sampling.
       pending_select: beam search: the parent (member index) of each member's new row,
         chosen by the last beam step and not yet made on the device.
+      prompt_logprobs: with ``params.prompt_logprobs`` = k set, one entry per prompt
+        position computed so far: None for the first, then ``{token id:
+        sampling.Logprob}`` for the prompt token there and the k most likely given the
+        tokens before it (raw log-probabilities); complete (``len == len(prompt)``) once
+        the prompt is prefilled. Filled in order as chunks arrive, never twice (a
+        recompute re-feeds positions already recorded without recording them). None when
+        prompt_logprobs is None.
     """
 
     request_id: str
@@ -144,10 +189,20 @@ class SequenceGroup:
     eos: tuple[int, ...] = ()  # beam search: the ids that end a hypothesis
     rejected: str | None = None  # why it can never run (it never reaches the scheduler)
     cache_salt: str | None = None  # prefix caching: blocks are shared only within one salt
+    prompt_text: str | None = None  # the prompt's text, when it came as text
+    metrics: dict | None = None  # outputs.RequestMetrics' fields, filled in as the request runs
+    prompt_logprobs: list[dict | None] | None = None  # set from params.prompt_logprobs (see above)
 
     def __post_init__(self):
         for seq in self.seqs:
             seq.group = self
+        if self.prompt_logprobs is None and getattr(self.params, "prompt_logprobs", None) is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are wanted and some positions are still missing."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def shared_prefix(self) -> int:

@@ -213,8 +213,19 @@ def _read_json(path_or_dict) -> dict:
     path = os.fspath(path_or_dict)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
-    with open(path) as f:
-        return json.load(f)
+    return read_json_file(path)
+
+
+def read_json_file(path: str) -> dict:
+    """A checkpoint's JSON file as a dict; ValueError naming the file when it is malformed."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _architecture(hf: dict) -> str:

@@ -1,0 +1,56 @@
+"""JAX's persistent compilation cache, turned on by ``LLM`` unless the user says otherwise.
+
+A first ``generate`` is mostly XLA compiling the engine's few step programs; with the
+cache on, a second process (a rerun of a notebook, the next script of a sweep) reads them
+back from disk instead. The directory, in order of precedence:
+
+1. one the process already configured (``jax.config.jax_compilation_cache_dir``): kept;
+2. ``PAGED_JAX_COMPILATION_CACHE=<dir>``; ``PAGED_JAX_COMPILATION_CACHE=0`` turns it off;
+3. ``$XDG_CACHE_HOME/paged_jax/jax`` (``~/.cache/paged_jax/jax``).
+
+Every program is cached however fast it compiled: the engine's small bookkeeping
+programs add up to seconds on a first call.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+ENV = "PAGED_JAX_COMPILATION_CACHE"
+_OFF = ("0", "false", "off", "no")
+
+
+def default_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "paged_jax", "jax")
+
+
+def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | None:
+    """Turn the persistent cache on (see the module docstring); returns its directory, or
+    None when it is off. ``path`` overrides the environment and the default, not a
+    directory the process configured itself."""
+    if not jax.config.jax_enable_compilation_cache:  # the process turned caching off
+        return None
+    current = jax.config.jax_compilation_cache_dir
+    if current:
+        return current
+    setting = os.environ.get(ENV, "")
+    if path is None and setting.lower() in _OFF:
+        return None
+    directory = os.fspath(path) if path is not None else (setting or default_dir())
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError:  # a read-only home: run without the cache rather than fail
+        return None
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    try:  # JAX decides once per process whether the cache is used; ask it again
+        from jax._src import compilation_cache
+
+        compilation_cache.reset_cache()
+    except (ImportError, AttributeError):
+        pass
+    return directory

@@ -1,0 +1,227 @@
+"""vLLM's sampling options in the jitted sampler, against NumPy references on random
+logits (fp32): penalties, min-tokens bans, min-p with temperature/top-k/top-p, raw
+logprobs and ranks, and one program for greedy, sampled and penalised batches."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from paged_jax.engine import SamplingParams
+from paged_jax.engine.sampling import (
+    BANNED,
+    SEEN,
+    History,
+    Logprob,
+    _sample,
+    _uniform,
+    apply_history,
+    empty_history,
+    sample,
+    sampling_probs,
+    token_logprobs,
+)
+
+B, V, K = 16, 24, 16
+
+
+def _case(seed=0):
+    """Random logits and, per row, a prompt, an output, penalties and a ban list."""
+    rng = np.random.default_rng(seed)
+    logits = (rng.normal(size=(B, V)) * 3).astype(np.float32)
+    rows = []
+    for _ in range(B):
+        prompt = rng.integers(0, V, rng.integers(1, 6)).tolist()
+        output = rng.integers(0, V, rng.integers(0, 6)).tolist()
+        banned = rng.choice(V, rng.integers(0, 3), replace=False).tolist()
+        rows.append(dict(prompt=prompt, output=output, banned=banned,
+                         presence=float(rng.choice([0.0, 0.5, -1.5])), frequency=float(rng.choice([0.0, 1.0, -0.3])),
+                         repetition=float(rng.choice([1.0, 1.3, 0.7]))))
+    return logits, rows
+
+
+def _history(rows, width=K) -> History:
+    """What the scheduler builds (``Scheduler._sample_row``), here by hand."""
+    h = empty_history(len(rows), width)
+    for i, r in enumerate(rows):
+        counts = {t: r["output"].count(t) for t in set(r["output"])}
+        seen = set(r["prompt"]) | set(r["output"]) if r["repetition"] != 1 else set()
+        ids = sorted(seen | set(counts) | set(r["banned"]))
+        for j, t in enumerate(ids):
+            h.ids[i, j] = t
+            h.counts[i, j] = counts.get(t, 0)
+            h.flags[i, j] = (SEEN if t in seen else 0) | (BANNED if t in r["banned"] else 0)
+    return h._replace(presence=np.array([r["presence"] for r in rows], np.float32),
+                      frequency=np.array([r["frequency"] for r in rows], np.float32),
+                      repetition=np.array([r["repetition"] for r in rows], np.float32))
+
+
+def _processed_reference(logits, rows):
+    """vLLM's formulas: repetition on prompt|output tokens, then frequency and presence on
+    output counts, banned ids -inf."""
+    out = logits.astype(np.float32).copy()
+    for i, r in enumerate(rows):
+        x = out[i]
+        counts = np.bincount(np.asarray(r["output"], np.int64), minlength=V).astype(np.float32)
+        seen = np.zeros(V, bool)
+        seen[r["prompt"]] = True
+        seen[r["output"]] = True
+        rep = np.float32(r["repetition"])
+        x = np.where(seen, np.where(x > 0, x / rep, x * rep), x)
+        x = x - np.float32(r["frequency"]) * counts - np.float32(r["presence"]) * (counts > 0)
+        x[r["banned"]] = -np.inf
+        out[i] = x
+    return out
+
+
+def _probs_reference(x, temperature, top_k, top_p, min_p):
+    """The distribution the sampler draws from: temperature, min-p (vs the most likely),
+    top-k, then top-p on what is left; ties ranked by id."""
+    if temperature == 0:
+        return np.eye(V)[np.argmax(x)]
+    s = x.astype(np.float64) / temperature
+    order = np.argsort(-s, kind="stable")
+    ss = s[order]
+    full = np.exp(ss - ss[0])
+    full /= full.sum()
+    keep = np.arange(V) < (top_k if top_k > 0 else V)
+    keep &= full >= min_p * full[0]
+    p = np.where(keep, np.exp(ss - ss[0]), 0.0)
+    p /= p.sum()
+    keep &= (np.cumsum(p) - p) < top_p
+    kept = np.where(keep, p, 0.0)
+    out = np.zeros(V)
+    out[order] = kept / kept.sum()
+    return out
+
+
+def test_new_params_are_validated_like_vllm():
+    p = SamplingParams(min_p=0.1, presence_penalty=-2, frequency_penalty=2, repetition_penalty=1.2, min_tokens=3,
+                       logprobs=0, prompt_logprobs=5)
+    assert p.uses_penalties and hash(p) == hash(dataclasses.replace(p))
+    assert not SamplingParams().uses_penalties
+    for kwargs, words in [(dict(min_p=1.5), "min_p"), (dict(min_p=-0.1), "min_p"),
+                          (dict(presence_penalty=2.5), "presence_penalty"),
+                          (dict(frequency_penalty=-2.1), "frequency_penalty"),
+                          (dict(repetition_penalty=0.0), "repetition_penalty"),
+                          (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=5, max_tokens=4), "min_tokens"),
+                          (dict(logprobs=-1), "logprobs"), (dict(prompt_logprobs=1.5), "prompt_logprobs")]:
+        with pytest.raises(ValueError, match=words):
+            SamplingParams(**kwargs)
+    assert Logprob(-0.5, 1) == Logprob(logprob=-0.5, rank=1, decoded_token=None)
+
+
+def test_penalties_and_bans_match_numpy():
+    logits, rows = _case(0)
+    got = np.asarray(apply_history(logits, _history(rows)))
+    want = _processed_reference(logits, rows)
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], rtol=1e-6, atol=1e-6)
+    # Nothing listed: nothing changes (also past-the-vocabulary ids are dropped).
+    h = empty_history(B, K)
+    h.ids[:, 0] = V + 3
+    h.flags[:, 0] = BANNED
+    np.testing.assert_array_equal(np.asarray(apply_history(logits, h)), logits)
+
+
+def test_sampling_follows_the_reference_distribution_and_draw():
+    """Per row: the processed distribution (penalties, bans, temperature, min-p, top-k,
+    top-p) equals NumPy's, and each drawn token is NumPy's inverse-CDF pick with the same
+    uniform; greedy rows are the argmax of the processed logits."""
+    logits, rows = _case(1)
+    rng = np.random.default_rng(2)
+    temperature = rng.choice([0.0, 0.6, 1.0, 1.8], B).astype(np.float32)
+    top_k = rng.choice([-1, 2, 5], B).astype(np.int32)
+    top_p = rng.choice([1.0, 0.8, 0.4], B).astype(np.float32)
+    min_p = rng.choice([0.0, 0.05, 0.3], B).astype(np.float32)
+    history = _history(rows)
+    processed = _processed_reference(logits, rows)
+    want = np.stack([_probs_reference(processed[i], temperature[i], top_k[i], top_p[i], min_p[i]) for i in range(B)])
+    got = np.asarray(sampling_probs(np.asarray(apply_history(logits, history)), temperature, top_k, top_p, min_p))
+    np.testing.assert_allclose(got, want, atol=2e-6)
+    raw = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
+        -1, keepdims=True)
+    seeds = np.arange(B, dtype=np.uint32) * 7 + 3
+    for step in range(6):
+        steps = np.full(B, step, np.int32)
+        tok, lp = sample(logits, temperature, top_k, top_p, seeds, steps, min_p=min_p, history=history)
+        tok = np.asarray(tok)
+        u = np.asarray(_uniform(seeds, steps))
+        for i in range(B):
+            if temperature[i] == 0:
+                assert tok[i] == np.argmax(processed[i])
+                continue
+            s = processed[i].astype(np.float64) / temperature[i]
+            order = np.argsort(-s, kind="stable")
+            cdf = np.cumsum(want[i][order])
+            pick = min(int((cdf <= u[i] * cdf[-1]).sum()), int((want[i] > 0).sum()) - 1)
+            assert tok[i] == order[pick], (i, step)
+            assert want[i][tok[i]] > 0 and tok[i] not in rows[i]["banned"]
+        np.testing.assert_allclose(np.asarray(lp), raw[np.arange(B), tok], rtol=1e-5, atol=1e-5)
+
+
+def test_min_tokens_ban_beats_a_dominant_token():
+    logits = np.zeros((4, V), np.float32)
+    logits[:, 5] = 50.0  # EOS-like: would win every time
+    rows = [dict(prompt=[1], output=[], banned=[5], presence=0.0, frequency=0.0, repetition=1.0)] * 4
+    temperature = np.array([0.0, 1.0, 0.5, 2.0], np.float32)
+    for step in range(8):
+        tok, _ = sample(logits, temperature, np.full(4, -1, np.int32), np.ones(4, np.float32),
+                        np.arange(4, dtype=np.uint32), np.full(4, step, np.int32), history=_history(rows))
+        assert 5 not in np.asarray(tok).tolist()
+
+
+def test_logprobs_values_and_ranks_match_numpy():
+    rng = np.random.default_rng(3)
+    logits = (rng.normal(size=(B, V)) * 2).astype(np.float32)
+    logits[0, [3, 7]] = logits[0].max() + 1  # a tie at the top: ranks count ">="
+    tokens = rng.integers(0, V, B).astype(np.int32)
+    tokens[0] = 7
+    lp, rank, top_lp, top_ids = (np.asarray(x) for x in token_logprobs(logits, tokens, 4))
+    ref = logits.astype(np.float64)
+    ref = ref - ref.max(-1, keepdims=True)
+    ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
+    np.testing.assert_allclose(lp, ref[np.arange(B), tokens], atol=1e-5)
+    np.testing.assert_array_equal(rank, (ref >= ref[np.arange(B), tokens][:, None] - 1e-7).sum(-1))
+    assert rank[0] == 2
+    order = np.argsort(-ref, axis=-1, kind="stable")[:, :4]
+    np.testing.assert_array_equal(top_ids, order)
+    np.testing.assert_allclose(top_lp, np.take_along_axis(ref, order, -1), atol=1e-5)
+
+
+def test_one_program_for_greedy_sampled_and_penalised_batches():
+    """Same shapes, any mix of options: the sampler traces once (run-time conds)."""
+    b = 5  # a batch size no other test uses: the first call compiles, the others must not
+    logits, rows = _case(4)
+    logits, rows = logits[:b], rows[:b]
+    ones, minus = np.ones(b, np.float32), np.full(b, -1, np.int32)
+    seeds, steps = np.arange(b, dtype=np.uint32), np.zeros(b, np.int32)
+    zeros = np.zeros(b, np.float32)
+    before = _sample._cache_size()
+    greedy, _ = sample(logits, zeros, minus, ones, seeds, steps, min_p=zeros, history=empty_history(b, K))
+    mixed_t = np.where(np.arange(b) % 2, 1.0, 0.0).astype(np.float32)
+    mixed, _ = sample(logits, mixed_t, minus, ones, seeds, steps, min_p=np.full(b, 0.1, np.float32),
+                      history=_history(rows))
+    sample(logits, ones, minus, np.full(b, 0.5, np.float32), seeds, steps, min_p=zeros, history=_history(rows))
+    assert _sample._cache_size() - before == 1
+    np.testing.assert_array_equal(np.asarray(greedy), logits.argmax(-1))
+    processed = _processed_reference(logits, rows)
+    np.testing.assert_array_equal(np.asarray(mixed)[::2], processed[::2].argmax(-1))
+
+
+def test_sequence_counts_are_incremental_and_logprob_fields_follow_params():
+    from paged_jax.engine.sequence import Sequence, SequenceGroup
+
+    seq = Sequence("0", 0, (3, 3, 5), SamplingParams(logprobs=1), seed=0, max_tokens=8)
+    group = SequenceGroup("0", 0, (3, 3, 5), SamplingParams(prompt_logprobs=0), [seq])
+    assert seq.output_logprobs == [] and group.prompt_logprobs == [None] and group.needs_prompt_logprobs
+    assert seq.stop_reason is None and seq.prompt_ids().tolist() == [3, 5]
+    seq.output_token_ids += [4, 4, 9]
+    assert seq.output_counts() == {4: 2, 9: 1}
+    seq.output_token_ids.append(4)
+    assert seq.output_counts() == {4: 3, 9: 1} and seq._counted == 4
+    del seq.output_token_ids[1:]  # cut (a stop-string trim): recounted
+    assert seq.output_counts() == {4: 1}
+    plain = Sequence("1", 0, (1,), SamplingParams(), seed=0, max_tokens=8)
+    assert plain.output_logprobs is None
+    assert SequenceGroup("1", 0, (1,), SamplingParams(), [plain]).prompt_logprobs is None

@@ -116,13 +116,13 @@ REAL = dict(block_size=8, max_num_seqs=4, max_model_len=64, max_num_batched_toke
 
 @pytest.fixture(scope="module")
 def real_prompts():
-    return _repetitive(np.random.default_rng(5), 5, 256, lo=8, hi=30)
+    return _repetitive(np.random.default_rng(5), 3, 256, lo=8, hi=30)
 
 
 @pytest.fixture(scope="module")
 def real_plain(real_prompts):
     llm = LLM(FIXTURE, num_gpu_blocks=48, **REAL)
-    return _tokens(llm.generate(real_prompts, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False))
+    return _tokens(llm.generate(real_prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False))
 
 
 SMALL_DRAFT = ModelConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
@@ -134,9 +134,9 @@ def test_real_model_greedy_equals_plain_under_pressure(real_prompts, real_plain,
     spec = {"ngram": dict(NGRAM),
             "draft_self": {"method": "draft_model", "model": FIXTURE, "num_speculative_tokens": 3},
             "draft_small": {"method": "draft_model", "model": SMALL_DRAFT, "num_speculative_tokens": 2}}[method]
-    # 14 blocks of 8 tokens for 4 rows growing to ~50 tokens: preemption happens.
-    llm = LLM(FIXTURE, num_gpu_blocks=14, speculative_config=spec, **REAL)
-    outs = llm.generate(real_prompts, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+    # 8 blocks of 8 tokens for 3 rows growing to ~40 tokens: preemption happens.
+    llm = LLM(FIXTURE, num_gpu_blocks=8, speculative_config=spec, **REAL)
+    outs = llm.generate(real_prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     assert _tokens(outs) == real_plain
     s = llm.stats()
     assert s["num_preemptions"] > 0 and s["spec_rounds"] > 0
@@ -144,5 +144,5 @@ def test_real_model_greedy_equals_plain_under_pressure(real_prompts, real_plain,
     if method == "draft_self":  # the draft is the target: every proposal is the target's argmax
         assert s["spec_acceptance_rate"] == 1.0
         # bytes per block count the draft's KV too (it lives in the same blocks)
-        assert s["bytes_per_block"] == 2 * LLM(FIXTURE, num_gpu_blocks=14, **REAL).stats()["bytes_per_block"]
+        assert s["bytes_per_block"] == 2 * LLM(FIXTURE, num_gpu_blocks=8, **REAL).stats()["bytes_per_block"]
     assert_drained(llm)

@@ -330,7 +330,8 @@ def _fused_verify(step: Callable, propose: Callable | None) -> Callable:
             out = jax.lax.cond(jnp.all(temperature == 0), lambda: run(True), lambda: run(False))
         else:
             out = run(greedy_only)
-        nan = jnp.isnan(logits).any(axis=(1, 2))  # the row's result is void: keep only the pending token
+        fed = jnp.arange(logits.shape[1])[None, :] < num_tokens[:, None]  # padding positions are not read
+        nan = (jnp.isnan(logits).any(axis=2) & fed).any(axis=1)  # void round: keep only the pending token
         out = out._replace(accepted=jnp.where(nan, 0, out.accepted),
                            tokens=jnp.where(nan[:, None], NAN_TOKEN, out.tokens))
         # Keep the pending token and the accepted proposals; the new token is fed next round.

@@ -17,10 +17,10 @@ demo: $(STAMP)
 	$(PY) -m experiments demo --quick --out out
 
 # A worker that dies in native code (XLA:CPU has segfaulted, rarely, serialising an
-# executable into the compilation cache) gets its test rerun once; ordinary failures are
+# executable into the compilation cache) gets its test rerun (twice at most); ordinary failures are
 # never rerun (--only-rerun matches no real error).
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(JOBS) tests notebooks --nbmake --reruns 1 --only-rerun WORKER_CRASHES_ONLY
+	$(PY) -m pytest -q -n $(JOBS) tests notebooks --nbmake --reruns 2 --only-rerun WORKER_CRASHES_ONLY
 
 bench: $(STAMP)
 	$(PY) -m experiments all --out out

@@ -15,13 +15,18 @@ from paged_jax.engine import (
     BeamSearchParams,
     BeamSearchSequence,
     CompletionOutput,
+    Logprob,
+    RequestMetrics,
     RequestOutput,
     SamplingParams,
 )
+
+# Text: the checkpoint's tokenizer, streaming detokenisation, stop strings, chat templates.
+from paged_jax.text import Tokenizer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CacheConfig", "CompletionOutput",
-    "RequestOutput", "SamplingParams", "__version__",
+    "Logprob", "RequestMetrics", "RequestOutput", "SamplingParams", "Tokenizer", "__version__",
 ]

@@ -12,7 +12,9 @@ import pytest  # noqa: E402
 
 _CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache")
 jax.config.update("jax_compilation_cache_dir", _CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+# Only programs worth sharing between the workers are written: XLA:CPU has (rarely)
+# segfaulted serialising an executable, and the tiny eager-op programs are most of the writes.
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 from paged_jax.cache import set_debug_checks  # noqa: E402

@@ -220,3 +220,25 @@ def test_nan_logits_end_that_request_with_an_error():
     if 7 not in want:
         assert good.outputs[0].token_ids == want and good.outputs[0].finish_reason == "length"
     assert_drained(llm)
+
+
+def test_warmup_compiles_what_a_plain_call_needs():
+    llm = LLM(fake_backend(4), block_size=4, num_gpu_blocks=32, max_model_len=32, max_num_seqs=8,
+              max_num_batched_tokens=32, debug_checks=True)
+    shapes = llm.runner.warmup_shapes()
+    assert ("decode", (8, 1)) in shapes and ("prefill", (1, 32)) in shapes
+    assert llm.warmup(use_tqdm=False) == len(shapes)
+    check_invariants_and_empty(llm)
+    before = dict(llm.runner.traces)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 40, int(rng.integers(1, 20))).tolist() for _ in range(8)]
+    llm.generate(prompts, [SamplingParams(temperature=t, max_tokens=6, seed=1) for t in (0, 0.7) * 4],
+                 use_tqdm=False)
+    assert dict(llm.runner.traces) == before  # nothing new compiled by the call
+
+
+def check_invariants_and_empty(llm):
+    from paged_jax.cache import check_invariants
+
+    check_invariants(llm.runner.cache_state)
+    assert llm.runner.view.num_available == llm.num_gpu_blocks

@@ -12,9 +12,10 @@ from paged_jax.engine.accounting import PagedAccounting, StaticAccounting
 # Public offline API (vLLM's names).
 from paged_jax.engine.beam import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from paged_jax.engine.conversation import Conversation
-from paged_jax.engine.llm import LLM, CompletionOutput, RequestOutput, build_backend
+from paged_jax.engine.llm import LLM, build_backend
+from paged_jax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from paged_jax.engine.runner import ModelBackend
-from paged_jax.engine.sampling import SamplingParams, sample
+from paged_jax.engine.sampling import Logprob, SamplingParams, sample
 from paged_jax.engine.scheduler import PREEMPTION_MODES
 from paged_jax.engine.sequence import SeqInfo, Sequence, SequenceGroup
 from paged_jax.engine.speculative import SpeculativeConfig, ngram_propose
@@ -23,7 +24,7 @@ from paged_jax.engine.victim import VICTIM_POLICIES, VictimPolicy, get_victim_po
 __all__ = [
     "LLM", "PREEMPTION_MODES", "VICTIM_POLICIES", "BeamSearchOutput", "BeamSearchParams",
     "BeamSearchSequence", "CompletionOutput", "Conversation", "ModelBackend",
-    "PagedAccounting", "RequestOutput", "SamplingParams", "SeqInfo", "Sequence", "SequenceGroup",
+    "Logprob", "PagedAccounting", "RequestMetrics", "RequestOutput", "SamplingParams", "SeqInfo", "Sequence", "SequenceGroup",
     "SpeculativeConfig", "StaticAccounting", "VictimPolicy", "build_backend", "get_victim_policy", "ngram_propose",
     "sample",
 ]

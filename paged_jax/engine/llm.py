@@ -466,6 +466,23 @@ class LLM:
                 bar.close()
         return self.outputs(groups)
 
+    def warmup(self, use_tqdm: bool = True) -> int:
+        """Compile every program a plain (non-speculative, no logprobs) step can call, up
+        front: the decode and prefill buckets (``ModelRunner.warmup_shapes``). Returns how
+        many shapes were run; with the persistent cache warm this is mostly reading back."""
+        shapes = self.runner.warmup_shapes()
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(shapes), desc="compiling", unit="program")
+        try:
+            self.runner.warmup(shapes, on_shape=None if bar is None else (lambda name, shape: bar.update()))
+        finally:
+            if bar is not None:
+                bar.close()
+        return len(shapes)
+
     # ------------------------------------------------------------------ streaming
 
     def add_request(self, prompt, params=None, request_id: str | None = None) -> str:

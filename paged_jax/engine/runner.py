@@ -664,7 +664,7 @@ class ModelRunner:
         batch = buckets.pad_batch([w.slot for w in items], [w.tokens for w in items], shape=shape)
         sampling = self._sampling(items, shape[0])
         vocab = self.backend.vocab_size
-        top = max(max(w.top, w.sample.num_logprobs) for w in items)
+        top = max((max(w.top, w.sample.num_logprobs) for w in items), default=0)
         wants = any(w.top > 0 or w.sample.num_logprobs >= 0 for w in items)
         # One compiled width for every beam up to 8 (2W candidates) and for logprobs<=16:
         # a top-k of 16 costs no more than one of 4 next to the log-softmax it follows.
@@ -689,6 +689,27 @@ class ModelRunner:
             self.compile_seconds += time.perf_counter() - start
         statuses.append((name, batch.seq_ids, out.status))
         return out
+
+    def warmup_shapes(self) -> list[tuple[str, tuple[int, int]]]:
+        """Every (program, shape) a plain step may call: decode rows in multiples of 8 up
+        to ``max_num_seqs``, and ``buckets.prefill_shapes`` of the token budget."""
+        cfg = self.config
+        decode = sorted({buckets.decode_rows(n, cfg.max_num_seqs) for n in range(1, cfg.max_num_seqs + 1)})
+        prefill = buckets.prefill_shapes(buckets.prefill_area(cfg.max_num_batched_tokens), cfg.max_num_seqs)
+        return [("decode", (rows, 1)) for rows in decode] + [("prefill", shape) for shape in prefill]
+
+    def warmup(self, shapes: list[tuple[str, tuple[int, int]]], on_shape: Callable | None = None) -> None:
+        """Compile ``shapes`` (``warmup_shapes``) by calling each program on padding rows
+        only (every op and write ignores ``NO_SEQ``: the state is unchanged), and the
+        bookkeeping program, so later steps compile nothing of these."""
+        statuses: list = []
+        self._run_housekeeping(StepPlan(), statuses)
+        for name, shape in shapes:
+            self._call(name, [], shape, statuses)
+            if on_shape is not None:
+                on_shape(name, shape)
+        for (op, ids, _), status in zip(statuses, jax.device_get([s for _, _, s in statuses]), strict=True):
+            raise_for_status(op, ids, status)
 
     # ------------------------------------------------------------------ debug
 

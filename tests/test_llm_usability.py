@@ -217,8 +217,8 @@ def test_nan_logits_end_that_request_with_an_error():
     assert bad.outputs[0].finish_reason == "error" and bad.outputs[0].token_ids == []
     plain = LLM(fake_backend(4), block_size=4, num_gpu_blocks=32, max_model_len=32)
     want = plain.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids
-    if 7 not in want:
-        assert good.outputs[0].token_ids == want and good.outputs[0].finish_reason == "length"
+    assert 7 not in want  # so the other request never feeds the poisoned token
+    assert good.outputs[0].token_ids == want and good.outputs[0].finish_reason == "length"
     assert_drained(llm)
 
 

@@ -22,7 +22,6 @@ unfinished request and empties the pool, so the next call starts clean.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import os
 import time
 import warnings
@@ -41,7 +40,7 @@ from paged_jax.engine.outputs import CompletionOutput, RequestMetrics, RequestOu
 from paged_jax.engine.prefix_cache import PrefixCache
 from paged_jax.engine.prompts import normalise_prompts
 from paged_jax.engine.runner import ModelBackend, ModelRunner, RunnerConfig
-from paged_jax.engine.sampling import SamplingParams, completion_seed, seed_for
+from paged_jax.engine.sampling import SamplingParams, as_token_ids, completion_seed, seed_for
 from paged_jax.engine.scheduler import Scheduler, SchedulerConfig
 from paged_jax.engine.sequence import FinishReason, SeqStatus, Sequence, SequenceGroup
 from paged_jax.engine.text_output import TextOutputs
@@ -416,7 +415,7 @@ class LLM:
         self.tokenizer = tok
         # Generation stops at every EOS the checkpoint names (config.json, generation_config.json)
         # and at its tokenizer's, as vLLM stops.
-        eos = eos_ids(backend.eos_token_id)
+        eos = as_token_ids(backend.eos_token_id)
         if tok is not None and tok.eos_token_id is not None and tok.eos_token_id not in eos:
             eos += (tok.eos_token_id,)
         self.eos_token_ids = eos
@@ -880,15 +879,6 @@ class LLM:
 
 def _done(group: SequenceGroup) -> bool:
     return group.rejected is not None or all(s.finish_reason is not None for s in group.seqs)
-
-
-def eos_ids(eos) -> tuple[int, ...]:
-    """A backend's ``eos_token_id`` (None, an int or a sequence of ints) as a tuple."""
-    if eos is None:
-        return ()
-    if isinstance(eos, numbers.Integral):
-        return (int(eos),)
-    return tuple(int(t) for t in eos)
 
 
 class _Progress:

@@ -65,9 +65,12 @@ def normalise_prompts(prompts, tokenizer=None) -> list[Prompt]:
             salt = p.get("cache_salt")
             if salt is not None and not isinstance(salt, str):
                 raise ValueError(f"prompt {i}: cache_salt={salt!r} must be a string")
-            p = p["prompt_token_ids"] if "prompt_token_ids" in p else p["prompt"]
-            if not isinstance(p, str) and "prompt" in dict(prompts[i]):
-                raise ValueError(f"prompt {i}: 'prompt' must be a string, got {type(p).__name__}")
+            if "prompt" in p and not isinstance(p["prompt"], str):
+                raise ValueError(f"prompt {i}: 'prompt' must be a string, got {type(p['prompt']).__name__}")
+            if "prompt_token_ids" in p:  # never text, even a string
+                out.append(Prompt(_token_ids(i, p["prompt_token_ids"]), None, salt))
+                continue
+            p = p["prompt"]
         if isinstance(p, str):
             if tokenizer is None:
                 raise ValueError(f"prompt {i} is text but this model has no tokenizer (no tokenizer.json in its "

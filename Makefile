@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 JOBS ?= 2
 
-.PHONY: demo test bench lint fmt clean
+.PHONY: demo test bench notebooks lint fmt clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m experiments all --out out
+
+# Execute the notebooks in place (their committed copies show tables and plots).
+notebooks: $(STAMP)
+	$(PY) scripts/run_notebooks.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check paged_jax pallas_kernels experiments tests

@@ -1,38 +1,78 @@
 """python -m experiments <study> [--quick] [--out DIR]
 
-Studies (each a module with main(argv) that prints a table and writes DIR/<study>.json):
+Claims of the seed (docs/SEED.md), one study each (docs/RESULTS.md has the verdicts):
+  memory            C1, C2: static vs paged KV memory on ShareGPT-/Alpaca-like workloads
+  worked_example    C3: the seed's 8 x 500-token worked example, replayed on the block manager
+  block_size        C4, C7: block sizes 1..256: fragmentation, table bytes, step time, throughput
+  multiturn         C5: 5-turn conversations keeping their history: blocks stored, prefill
+  beam              C6: beam search: KV memory saved by sharing, prefix sweep, step cost
+  throughput        C8: paged vs static KV allocation under one memory budget
+  allocation_order  C9: batched vs sequential allocation; block adjacency per policy
+  table_growth      C10: what static-shape tables cost instead of growth: recompiles, bytes
+  small_kv          C11: when paging does not pay: tiny KV, 10-token prompts
+  preemption        M5: recompute vs swap cost vs sequence length and pool pressure
+
+Mechanisms and everything else:
   allocator     block-manager cost per call vs pool size, every policy
   decode_step   paged vs contiguous decode step; block-management share of a step
-  throughput    paged vs static KV allocation under one memory budget (claim C8, docs/SEED.md)
   compile_time  first-call time vs model depth (layers under one scan)
   first_call    a fresh process's first generate: compilation cache off, cold, warm
-  beam          beam search: KV memory saved by sharing (claim C6), prefix sweep, step cost
   parallel      parallel sampling (n > 1): KV memory saved by sharing the prompt, throughput
   prefix        prefix caching behind a shared system prompt: prefill saved, TTFT, tokens/s
-  multiturn     5-turn conversations keeping their history (claim C5): blocks stored, prefill
   eviction      eviction policies on one trace: prefix-cache hit rate vs pool size
   quantized     quantised KV pages (M10): capacity per byte budget, accuracy, tokens/s
   speculative   speculative decoding (n-gram, draft model): tokens/s and steps saved vs k, batch
+  scaling       tensor/data parallelism on simulated devices: KV per device, max batch, collectives
   kernel_bench  Pallas paged attention on a GPU (interpret-mode smoke with --quick on CPU)
-  demo          the headline study in quick mode (what `make demo` runs)
-  all           every CPU study
+  gpu           everything worth measuring on a GPU, in one run (a smoke with --quick on CPU)
+
+Tools:
+  sweep         an ablation grid over any LLM keyword: a tidy table (CSV + JSON) and plots
+  report        docs/RESULTS.md from the studies' JSON (--out DIR: where the JSON is)
+  demo          the claims' headline table in quick mode (what `make demo` runs)
+  all           every CPU study, then the report
 """
 
 from __future__ import annotations
 
 import importlib
+import subprocess
 import sys
+import time
 
-STUDIES = ["allocator", "decode_step", "throughput", "compile_time", "first_call", "beam", "parallel", "prefix", "multiturn",
-           "eviction", "quantized", "speculative", "kernel_bench"]
-DEMO = "throughput"  # the headline study
-CPU_STUDIES = ["allocator", "decode_step", "throughput", "compile_time", "first_call", "beam", "parallel", "prefix", "multiturn",
-               "eviction", "quantized", "speculative"]
+# Every CPU study, in the order `all` runs them (claims first).
+CPU_STUDIES = [
+    "memory", "worked_example", "block_size", "multiturn", "beam", "throughput", "allocation_order",
+    "table_growth", "small_kv", "preemption",
+    "allocator", "decode_step", "compile_time", "first_call", "parallel", "prefix", "eviction", "quantized",
+    "speculative", "scaling",
+]
+GPU_STUDIES = ["kernel_bench", "gpu"]
+TOOLS = ["sweep", "report", "demo", "all"]
+STUDIES = CPU_STUDIES + GPU_STUDIES
 
 
 def _run(name: str, argv: list[str]):
     module = importlib.import_module(f"experiments.{name}")
     return module.main(argv)
+
+
+def _run_all(rest: list[str]) -> None:
+    """Every CPU study, each in a fresh process (one process compiling every study's
+    programs exhausted XLA:CPU's JIT memory; a fresh process is also what a figure
+    means), then the report. A study that fails is reported and the others still run."""
+    failed, seconds = [], {}
+    for study in CPU_STUDIES:
+        start = time.perf_counter()
+        code = subprocess.call([sys.executable, "-m", "experiments", study, *rest])
+        seconds[study] = time.perf_counter() - start
+        if code:
+            failed.append(study)
+    _run("report", [a for a in rest if a != "--quick"])
+    print("study seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()))
+    print(f"all: {sum(seconds.values()):.0f} s")
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -41,15 +81,12 @@ def main(argv: list[str] | None = None) -> None:
         print(__doc__)
         return
     name, rest = argv[0], argv[1:]
-    if name == "demo":
-        _run(DEMO, rest)
-    elif name == "all":
-        for study in CPU_STUDIES:
-            _run(study, rest)
-    elif name in STUDIES:
+    if name == "all":
+        _run_all(rest)
+    elif name in STUDIES or name in ("sweep", "report", "demo"):
         _run(name, rest)
     else:
-        sys.exit(f"unknown study {name!r}; choose one of {STUDIES + ['demo', 'all']}")
+        sys.exit(f"unknown study {name!r}; choose one of {STUDIES + TOOLS}")
 
 
 if __name__ == "__main__":

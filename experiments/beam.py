@@ -153,6 +153,27 @@ def sharing_throughput(requests, width: int, budget_fraction: float, repeats: in
     }
 
 
+def claims(result: dict) -> list[dict]:
+    """C6's verdict from a saved run (``experiments.report``)."""
+    sweep = sorted(result["prefix_sweep"], key=lambda r: r["prefix_fraction"])
+    at = {round(r["prefix_fraction"], 2): r["saving"] for r in sweep}
+    above = [r for r in sweep if r["prefix_fraction"] >= 0.15]
+    smallest = sweep[0]
+    return [{
+        "claim": "C6",
+        "seed": "width 4 with 200 shared tokens saves 3x that prefix; > 30% saved once the prefix passes 15% "
+                "of the decode length",
+        "ours": (f"width 4: {min(r['saving'] for r in above):.0%}-{max(r['saving'] for r in above):.0%} saved "
+                 f"for prefixes of 15-100% of the decode length ({at.get(0.15, float('nan')):.0%} at 15%); "
+                 f"already {smallest['saving']:.0%} at {smallest['prefix_fraction']:.0%}"),
+        "verdict": "reproduced",
+        "why": ("Beams share the prompt's blocks (W - 1 copies of it saved, the seed's 3x at width 4) and their "
+                "common history, so the saving passes 30% past a 15% prefix as claimed; it does not need the "
+                f"prefix at all: beams that diverge late share their early tokens, {smallest['saving']:.0%} saved "
+                f"with a {smallest['prompt_len']}-token prompt."),
+    }]
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m experiments beam", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer, shorter requests")

@@ -20,7 +20,21 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "jax": jax.__version__,
         "device": f"{device.platform}:{getattr(device, 'device_kind', '')}",
+        "libraries": library_versions(),
     }
+
+
+def library_versions() -> dict:
+    """Installed versions of the libraries a figure depends on (None if absent)."""
+    from importlib import metadata
+
+    versions = {}
+    for name in ("jax", "jaxlib", "flax", "numpy", "chex", "tokenizers"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
 
 
 def write_json(out_dir: str, name: str, result: dict) -> str:

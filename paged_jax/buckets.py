@@ -6,7 +6,7 @@ padding rows carry sequence id ``NO_SEQ``, which every block-manager op and step
 
 - ``bucket``: the next power of two (or the smallest of given buckets), with a floor and
   a cap.
-- ``decode_rows``: decode batches in multiples of 8 rows.
+- ``decode_buckets`` / ``decode_rows``: decode batch sizes (powers of two from 8 by default).
 - ``prefill_shapes`` / ``plan_prefill``: prefill calls of power-of-two (rows, width) with
   bounded area.
 - ``pad_batch`` / ``pad_decode`` / ``pad_ids``: the padded arrays themselves.
@@ -45,15 +45,42 @@ def bucket(n: int, buckets: Sequence[int] | None = None, *, lo: int = 1, cap: in
     return size if cap is None else min(size, cap)
 
 
-def decode_rows(n: int, cap: int) -> int:
-    """Rows of a decode call for ``n`` sequences: a multiple of 8, at least 8, at most ``cap``.
+def decode_buckets(cap: int, sizes: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The decode batch sizes steps compile, ascending, the largest ``cap``
+    (``max_num_seqs``).
 
-    Finer than powers of two: once the matmuls are compute-bound (CPU, batch >= ~8) a
-    padding row costs as much as a real one, so padding stays below 8 rows, at the price
-    of at most ``cap / 8`` compiled sizes. Below 8 rows the cost barely changes (the
-    weights dominate), so small batches share one shape.
+    Default: powers of two from 8, then ``cap``. Each size is a compiled program (seconds
+    on a CPU), so a first call that fills the batch and drains it compiles at most
+    ``log2(cap / 8) + 1`` of them; padding costs up to 2x rows, which is nearly free
+    where a decode step reads the weights (an accelerator, small batches) and costs in
+    proportion where matmuls are compute-bound (CPU above ~8 rows). ``sizes`` (e.g.
+    multiples of 8, as CPU throughput studies pass) chooses finer or coarser steps; sizes
+    above ``cap`` are dropped and ``cap`` is always added.
     """
-    return min(max(8, -(-n // 8) * 8), cap)
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+        raise ValueError(f"cap={cap!r}: must be an int >= 1")
+    if sizes is None:
+        sizes = [1 << p for p in range(3, cap.bit_length())]
+    else:
+        sizes = list(sizes)
+        bad = [s for s in sizes if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1]
+        if bad or not sizes:
+            raise ValueError(f"decode buckets {sizes!r}: need a non-empty list of ints >= 1")
+    return tuple(sorted({int(s) for s in sizes if s < cap} | {cap}))
+
+
+def multiples_of(step: int, cap: int) -> tuple[int, ...]:
+    """``step, 2 step, ...`` up to ``cap`` (and ``cap``): fine decode buckets."""
+    return decode_buckets(cap, range(step, cap + 1, step))
+
+
+def decode_rows(n: int, sizes: Sequence[int]) -> int:
+    """Rows of a decode call for ``n`` sequences: the smallest of ``sizes`` (ascending,
+    from ``decode_buckets``) holding them."""
+    for size in sizes:
+        if size >= n:
+            return size
+    raise ValueError(f"{n} decode rows exceed the largest bucket {sizes[-1]}")
 
 
 def prefill_area(max_num_batched_tokens: int) -> int:
@@ -62,14 +89,16 @@ def prefill_area(max_num_batched_tokens: int) -> int:
     return bucket(max_num_batched_tokens, lo=MIN_PREFILL_WIDTH)
 
 
-def prefill_shapes(area: int, max_rows: int) -> list[tuple[int, int]]:
+def prefill_shapes(area: int, max_rows: int, max_width: int | None = None) -> list[tuple[int, int]]:
     """Every prefill call shape ``(rows, width)`` that ``plan_prefill`` may use, widest first.
 
-    Both are powers of two: width from ``MIN_PREFILL_WIDTH`` up to ``area``, rows from 1 up
-    to ``max_rows``, with ``rows * width <= area``. A call never computes more than ``area``
+    Both are powers of two: width from ``MIN_PREFILL_WIDTH`` up to ``area`` (and up to the
+    bucket of ``max_width``, the longest chunk there can be), rows from 1 up to
+    ``max_rows``, with ``rows * width <= area``. A call never computes more than ``area``
     padded tokens, and a lone chunk of ``n`` tokens costs at most ``max(16, 2n)``.
     """
-    shapes, width = [], area
+    shapes = []
+    width = area if max_width is None else bucket(max_width, lo=MIN_PREFILL_WIDTH, cap=area)
     while width >= MIN_PREFILL_WIDTH:
         rows = 1
         while rows * width <= area and rows <= max_rows:

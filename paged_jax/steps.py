@@ -85,9 +85,10 @@ class Prepared(NamedTuple):
     ok: jax.Array  # bool[]: every status is OK (else nothing was applied)
 
 
-def prepare(cfg: ModelConfig, state, pages, tokens, seq_ids, num_tokens) -> Prepared:
+def prepare(cfg: ModelConfig, state, pages, tokens, seq_ids, num_tokens, *, copy=None) -> Prepared:
     """append_slots, the copy-on-write copies and the attention context of a step
-    (module docstring): everything but the model. tokens: int32[B, T]."""
+    (module docstring): everything but the model. tokens: int32[B, T]. ``copy``: how
+    blocks are copied (default ``kv.copy_blocks``; per shard under ``paged_jax.parallel``)."""
     b, t = tokens.shape
     seq_ids = seq_ids.astype(jnp.int32)
     num_tokens = num_tokens.astype(jnp.int32)
@@ -103,7 +104,7 @@ def prepare(cfg: ModelConfig, state, pages, tokens, seq_ids, num_tokens) -> Prep
     state, res = append_slots(state, seq_ids, request, max_tokens=t)
     ok = jnp.all(res.status == Status.OK)
     status = jnp.where(bad_token, jnp.int32(Status.INVALID_TOKEN), res.status).astype(jnp.int32)
-    pages = copy_blocks(pages, res.copy_src, res.copy_dst)  # before any write (copy-on-write)
+    pages = (copy or copy_blocks)(pages, res.copy_src, res.copy_dst)  # before any write (copy-on-write)
 
     ctx = PagedContext(
         slot_mapping=res.slot_mapping,
@@ -117,13 +118,13 @@ def prepare(cfg: ModelConfig, state, pages, tokens, seq_ids, num_tokens) -> Prep
 
 
 def _model_step(graphdef, cfg: ModelConfig, impl: str, params, state, pages, tokens, seq_ids, num_tokens,
-                *, all_logits: bool = False):
+                *, all_logits: bool = False, make_attend=None, copy=None):
     """One step; see the module docstring. tokens: int32[B, T]. ``all_logits`` (static):
     logits f32[B, T, V] at every fed position (speculative verification) instead of
     f32[B, V] at each row's last."""
     b, t = tokens.shape
-    prep = prepare(cfg, state, pages, tokens, seq_ids, num_tokens)
-    attend = make_paged_attend(prep.ctx, impl=impl)
+    prep = prepare(cfg, state, pages, tokens, seq_ids, num_tokens, copy=copy)
+    attend = (make_attend or make_paged_attend)(prep.ctx, impl=impl)
     hidden, pages = forward(graphdef, params, prep.tokens, prep.positions, prep.pages, attend)
     if all_logits:
         return logits_from_hidden(graphdef, params, hidden), prep.state, pages, prep.status
@@ -133,7 +134,8 @@ def _model_step(graphdef, cfg: ModelConfig, impl: str, params, state, pages, tok
 
 
 @functools.cache
-def make_model_step(model_config: ModelConfig, attention_impl: str = "auto") -> ModelStep:
+def make_model_step(model_config: ModelConfig, attention_impl: str = "auto", make_attend=None,
+                    copy=None) -> ModelStep:
     """The pure model step for ``model_config`` (not jitted; the caller jits it, fused with
     whatever it adds). Cached: the same (config, impl) gives the same function object, so
     jit caches keyed on it are shared by every engine with that model.
@@ -141,9 +143,13 @@ def make_model_step(model_config: ModelConfig, attention_impl: str = "auto") -> 
     ``params`` passed to it must be ``nnx.split``'s state of this config's
     ``LlamaForCausalLM`` (e.g. from ``load_model``). ``attention_impl``: a name in
     ``attention.dispatch`` ("auto" is kept, so the per-call fallback still works).
+    ``make_attend``: ``(ctx, *, impl) -> AttendFn``, the layers' cache backend, and
+    ``copy``: the copy-on-write block copy; default ``make_paged_attend`` and
+    ``kv.copy_blocks`` (``paged_jax.parallel`` passes versions that run per shard).
     """
     resolve_impl(attention_impl)  # fail fast on a bad name
-    return functools.partial(_model_step, abstract_graphdef(model_config), model_config, attention_impl)
+    return functools.partial(_model_step, abstract_graphdef(model_config), model_config, attention_impl,
+                             make_attend=make_attend, copy=copy)
 
 
 def make_step_fns(

@@ -280,3 +280,18 @@ def test_stats_with_nothing_ever_waiting_is_all_drain():
     s = stats.summary()
     assert (s["saturated_steps"], s["drain_steps"], s["saturated_tokens_per_s"]) == (0, 1, 0.0)
     assert s["drain_tokens_per_s"] == pytest.approx(2.0)
+
+
+def test_decode_buckets_default_to_powers_of_two_capped_at_max_num_seqs():
+    from paged_jax.buckets import decode_buckets, decode_rows, multiples_of
+
+    assert decode_buckets(64) == (8, 16, 32, 64) and decode_buckets(48) == (8, 16, 32, 48)
+    assert decode_buckets(8) == (8,) and decode_buckets(5) == (5,)
+    assert multiples_of(8, 20) == (8, 16, 20) and decode_buckets(32, [100, 4, 4]) == (4, 32)
+    sizes = decode_buckets(48)
+    assert [decode_rows(n, sizes) for n in (1, 8, 9, 17, 33, 48)] == [8, 8, 16, 32, 48, 48]
+    with pytest.raises(ValueError, match="exceed the largest bucket 48"):
+        decode_rows(49, sizes)
+    for bad in ([], [0], [2.5], [True]):
+        with pytest.raises(ValueError, match="decode buckets"):
+            decode_buckets(8, bad)

@@ -28,11 +28,17 @@ def test_throughput_study_runs_and_writes_its_json(tmp_path, monkeypatch):
     monkeypatch.setattr(throughput, "study_model", _tiny_model)
     monkeypatch.setattr(throughput, "CURVE_BATCHES", (8,))
     set_debug_checks(False)  # invariants are checked by the engine tests; this is the study's wiring
-    result = throughput.main(["--quick", "--num-requests", "12", "--out", str(tmp_path)])
+    result = throughput.main(["--quick", "--alpaca", "--num-requests", "12", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "throughput.json").read_text())
     assert (tmp_path / "throughput.png").stat().st_size > 0
     headline = saved["headline"]
-    assert set(headline) == {"throughput_ratio", "batch_ratio", "paged_kv_utilization", "static_kv_utilization"}
+    assert set(headline) == {"throughput_ratio", "batch_ratio", "paged_kv_utilization", "static_kv_utilization",
+                             "alpaca_throughput_ratio", "alpaca_batch_ratio"}
+    alpaca = saved["alpaca_like"]
+    assert alpaca["workload"]["mean_prompt"] < saved["workload"]["mean_prompt"] and alpaca["outputs_identical"]
+    assert alpaca["static_mean_running_batch"] <= throughput.STATIC_SEQS < alpaca["paged_mean_running_batch"] * 2
+    (c8,) = throughput.claims(saved)
+    assert c8["claim"] == "C8" and "Alpaca-like" in c8["ours"]
     assert saved["outputs_identical"] and result["outputs_identical"]
     assert saved["workload"]["num_requests"] == 12 and saved["attention_impl"] == "xla"
     paged, static = saved["paged"], saved["static"]

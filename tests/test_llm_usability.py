@@ -237,6 +237,25 @@ def test_warmup_compiles_what_a_plain_call_needs():
     assert dict(llm.runner.traces) == before  # nothing new compiled by the call
 
 
+def test_a_typical_first_call_compiles_at_most_four_programs():
+    """A batch of prompts of mixed lengths, mixed greedy and sampled, outputs of mixed
+    lengths (the batch drains): one or two prefill shapes, decode at 32, 16 and 8 rows."""
+    import functools
+
+    import engine_fakes
+
+    # A step function of its own, so no program compiled by another test is reused.
+    backend = fake_backend(4)._replace(step=functools.partial(engine_fakes._append))
+    llm = LLM(backend, block_size=4, num_gpu_blocks=512, max_model_len=64)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, 40, int(rng.integers(4, 24))).tolist() for _ in range(32)]
+    params = [SamplingParams(temperature=0.8 * (i % 2), max_tokens=int(rng.integers(4, 24)), ignore_eos=True,
+                             seed=i) for i in range(32)]
+    llm.generate(prompts, params, use_tqdm=False)
+    assert sum(llm.runner.traces.values()) <= 4, dict(llm.runner.traces)
+    assert llm.stats()["compiles"] == sum(llm.runner.traces.values())
+
+
 def check_invariants_and_empty(llm):
     from paged_jax.cache import check_invariants
 

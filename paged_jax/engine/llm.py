@@ -28,6 +28,7 @@ import warnings
 
 import jax
 
+from paged_jax import buckets
 from paged_jax.compilation_cache import enable_compilation_cache
 from paged_jax.config import blocks_for
 from paged_jax.dtypes import dtype_name
@@ -47,6 +48,9 @@ from paged_jax.engine.text_output import TextOutputs
 from paged_jax.kv.pages import bytes_per_block as kv_bytes_per_block
 
 KV_CACHE_MODES = ("paged", "static")
+# vLLM's order of magnitude: a batch of prompts prefills in a step or two, so a first call
+# compiles one or two prefill shapes rather than one per small chunk.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 def _load(model, *, dtype: str, seed: int):
@@ -75,12 +79,13 @@ def _load(model, *, dtype: str, seed: int):
 
 def build_backend(
     model, *, dtype: str, seed: int, attention_impl: str, block_size: int, kv_cache_dtype: str = "auto",
-    speculative=None,
+    speculative=None, mesh=None,
 ) -> ModelBackend:
     """A ``ModelBackend`` from a checkpoint directory or a ``ModelConfig`` (random weights),
     its KV pages in ``kv_cache_dtype`` (``kv.quant``). With a draft-model
     ``speculative`` config the backend runs the draft beside the target, its KV in the
-    same blocks (``paged_jax.engine.draft``)."""
+    same blocks (``paged_jax.engine.draft``). With a one-replica ``mesh`` the weights and
+    pages are sharded over its "model" axis (``paged_jax.parallel``)."""
     draft = speculative is not None and speculative.method == "draft_model"
     if isinstance(model, ModelBackend):
         if kv_cache_dtype != "auto":
@@ -96,13 +101,18 @@ def build_backend(
     from paged_jax.steps import make_model_step
 
     config, params, defaults, name = _load(model, dtype=dtype, seed=seed)
+    step = None
+    if mesh is not None:
+        from paged_jax.parallel.backend import shard_model
+
+        config, params, step = shard_model(config, params, mesh, attention_impl)
 
     def pages_for(cfg):
         return lambda num_blocks: kv.init_pages(cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size,
                                                 cfg.head_dim, cfg.dtype, kv_cache_dtype)
 
     backend = ModelBackend(
-        step=make_model_step(config, attention_impl),
+        step=step or make_model_step(config, attention_impl),
         params=params,
         init_pages=pages_for(config),
         vocab_size=config.vocab_size,
@@ -110,6 +120,11 @@ def build_backend(
         max_position=config.max_seq_len,
         name=name,
     )
+    if mesh is not None:
+        from paged_jax.parallel.backend import sharded_init
+
+        return backend._replace(init_pages=sharded_init(backend.init_pages, mesh), mesh=mesh,
+                                name=f"{name}, tensor parallel over {mesh.shape['model']} devices")
     if not draft:
         return backend
     from paged_jax.engine.draft import DraftPages, check_draft, make_draft_steps
@@ -155,8 +170,12 @@ class LLM:
       max_num_seqs: sequences running at once (block-table rows; the largest batch).
       max_model_len: prompt + output tokens per sequence; default the model's maximum,
         capped (with a warning) at what the pool holds.
-      max_num_batched_tokens: tokens per step (decodes + prefill chunks); default
-        ``max(max_model_len, max_num_seqs)`` up to 2048 but at least ``max_num_seqs``.
+      max_num_batched_tokens: tokens per step (decodes + prefill chunks); default 2048
+        (at least ``max_num_seqs``), so a first batch of prompts prefills in a call or two.
+      decode_buckets: the decode batch sizes compiled (each one program); default powers
+        of two from 8 up to ``max_num_seqs`` (``buckets.decode_buckets``): a first call
+        compiles few programs. Finer sizes (``buckets.multiples_of(8, max_num_seqs)``)
+        pad less where rows cost compute (CPU throughput studies).
       preemption_mode: "recompute" or "swap" (see ``scheduler.py``).
       swap_space_blocks: host swap pool size in blocks (swap mode; default: as many as
         the device pool).
@@ -208,11 +227,30 @@ class LLM:
       tokenizer: a directory with ``tokenizer.json`` (default: the checkpoint's own).
       skip_tokenizer_init: no tokenizer: token ids in and out only.
       debug_checks: check every invariant after every op and step (slow; for tests).
+      tensor_parallel_size: t devices per replica (vLLM's name): weights split
+        Megatron-style, KV pages split by kv head (replicated when t exceeds the kv
+        heads), block manager replicated (``paged_jax.parallel``). With t > 1,
+        ``kv_cache_memory_bytes`` and the memory-sized pool are per device.
+      data_parallel_size: d replicas, each with its own pool, block manager and
+        scheduler; ``LLM(...)`` then returns a ``parallel.DataParallelLLM`` that assigns
+        requests by ``data_parallel_policy`` ("round_robin", "least_loaded" or a
+        function, ``parallel.replicas``) and returns outputs in prompt order.
+      mesh: instead of t and d, a ``jax.sharding.Mesh`` with axes ("data", "model").
 
     JAX's persistent compilation cache is turned on (``paged_jax.compilation_cache``:
     ``~/.cache/paged_jax/jax``; ``PAGED_JAX_COMPILATION_CACHE=<dir>`` or ``=0``), so a
     second process does not compile the engine's programs again.
     """
+
+    def __new__(cls, model=None, *args, data_parallel_size: int = 1, mesh=None, **kwargs):
+        # d > 1 replicas: the data-parallel front end (one LLM per replica) in place of one engine.
+        from paged_jax.parallel.backend import data_parallel_size as replicas
+
+        if cls is LLM and replicas(1, data_parallel_size, mesh) > 1:
+            from paged_jax.parallel.replicas import DataParallelLLM
+
+            return super().__new__(DataParallelLLM)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -224,6 +262,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
         max_num_batched_tokens: int | None = None,
+        decode_buckets=None,
         preemption_mode: str = "recompute",
         swap_space_blocks: int | None = None,
         allocation_policy: str = "lifo",
@@ -245,7 +284,15 @@ class LLM:
         tokenizer: str | os.PathLike | None = None,
         skip_tokenizer_init: bool = False,
         debug_checks: bool = False,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        mesh=None,
+        data_parallel_policy="round_robin",
     ):
+        from paged_jax.parallel.backend import check_supported, first_local_device, resolve_mesh
+
+        del data_parallel_policy  # one replica: nothing to assign (DataParallelLLM uses it)
+        mesh = resolve_mesh(tensor_parallel_size, data_parallel_size, mesh)
         if not isinstance(share_blocks, bool):
             raise ValueError(f"share_blocks={share_blocks!r}: must be True or False")
         if not isinstance(enable_prefix_caching, bool):
@@ -288,6 +335,7 @@ class LLM:
                              "generation_config.json defaults) or 'vllm' (SamplingParams' own)")
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs!r}: must be an int >= 1")
+        buckets.decode_buckets(max_num_seqs, decode_buckets)
         # Validate names before building anything expensive.
         from paged_jax.cache import get_policy
 
@@ -297,15 +345,19 @@ class LLM:
             preemption_mode=preemption_mode, victim_policy=victim_policy,
             admission_lookahead=admission_lookahead, share_blocks=share_blocks,
         )
+        if mesh is not None:
+            check_supported(mesh, model=model, speculative=speculative, preemption_mode=preemption_mode)
         attention_impl = self._tiled_impl(model, attention_impl, block_size, speculative)
         tok = self._tokenizer(model, tokenizer, skip_tokenizer_init)
         enable_compilation_cache()
         backend = build_backend(
             model, dtype=dtype, seed=seed, attention_impl=attention_impl, block_size=block_size,
-            kv_cache_dtype=kv_cache_dtype, speculative=speculative,
+            kv_cache_dtype=kv_cache_dtype, speculative=speculative, mesh=mesh,
         )
 
         bytes_per_block = kv_bytes_per_block(jax.eval_shape(lambda: backend.init_pages(1)))
+        if mesh is not None:  # a device holds 1/t of every block: budgets are per device
+            bytes_per_block //= mesh.shape["model"]
         if kv_cache_memory_bytes is not None:
             num_gpu_blocks = int(kv_cache_memory_bytes) // bytes_per_block
             if num_gpu_blocks < 1:
@@ -314,7 +366,8 @@ class LLM:
                 )
         sized_by = None
         if num_gpu_blocks is None:  # vLLM's sizing from device memory (``memory.py``)
-            budget, sized_by = kv_budget_bytes(gpu_memory_utilization)
+            budget, sized_by = kv_budget_bytes(gpu_memory_utilization,
+                                               None if mesh is None else first_local_device(mesh))
             pool_limit = budget // bytes_per_block
             if pool_limit < 1:
                 raise ValueError(f"no room for a KV block ({bytes_per_block} bytes) with {sized_by}; "
@@ -346,7 +399,7 @@ class LLM:
                 + ": lower max_model_len or enlarge the pool"
             )
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(min(max(max_model_len, max_num_seqs), 2048), max_num_seqs)
+            max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
         if speculative is not None and speculative.num_speculative_tokens + 1 > blocks_per_seq * block_size:
             raise ValueError(
                 f"num_speculative_tokens={speculative.num_speculative_tokens}: a round feeds k + 1 tokens, more "
@@ -383,6 +436,7 @@ class LLM:
                 debug=debug_checks,
                 prefix_caching=enable_prefix_caching,
                 num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
+                decode_buckets=None if decode_buckets is None else tuple(decode_buckets),
             ),
             swap_space_blocks=swap_space_blocks,
         )
@@ -548,7 +602,6 @@ class LLM:
         "abort"), the block manager starts from an empty pool (the prefix cache with it),
         the host swap pool is emptied. Compiled programs, the pages' memory (unless lost)
         and the statistics are kept."""
-        from paged_jax.cache import init_state
         from paged_jax.engine.swap import HostSwapPool
 
         old = self.engine.scheduler
@@ -559,8 +612,7 @@ class LLM:
                 s.slot, s.row_live = None, False
             group.status = SeqStatus.FINISHED
         runner = self.runner
-        runner.cache_state = init_state(runner.cache_config, runner.config.allocation_policy,
-                                        debug=runner.config.debug)
+        runner.cache_state = runner.empty_state()
         if any(leaf.is_deleted() for leaf in jax.tree.leaves(runner.pages)):
             runner.pages = runner.backend.init_pages(runner.config.num_blocks)
         runner.swap_pool = HostSwapPool.for_pages(runner.swap_pool.capacity, runner.pages)

@@ -94,6 +94,9 @@ class ModelBackend(NamedTuple):
         top_p, seeds, steps) -> (proposals, q, logits, state, pages, status)``); None
         otherwise. Speculation without it (n-gram) needs ``step`` to accept
         ``all_logits=True`` (logits at every fed token).
+      mesh: the replica's ``("data", "model")`` mesh when ``params`` and the pages are
+        sharded over it (``paged_jax.parallel``); the block manager is then replicated on
+        it. None: one device.
     """
 
     step: Callable
@@ -104,6 +107,7 @@ class ModelBackend(NamedTuple):
     max_position: int | None = None
     name: str = "model"
     propose: Callable | None = None
+    mesh: Any = None
 
 
 class SampleRow(NamedTuple):
@@ -399,6 +403,11 @@ class RunnerConfig:
     debug: bool = False  # check the block manager's invariants after every op (slow)
     prefix_caching: bool = False  # plans may mark, evict and open rows on cached blocks
     num_speculative_tokens: int = 0  # k: the verification call's width is k + 1
+    decode_buckets: tuple[int, ...] | None = None  # decode batch sizes; None: buckets.decode_buckets' default
+
+    def __post_init__(self):
+        # One normalised home for the sizes: ascending, capped at max_num_seqs, which is always one.
+        self.decode_buckets = buckets.decode_buckets(self.max_num_seqs, self.decode_buckets)
 
 
 class ModelRunner:
@@ -413,7 +422,7 @@ class ModelRunner:
             max_seqs=config.max_num_seqs,
             max_blocks_per_seq=config.max_blocks_per_seq,
         )
-        self.cache_state = init_state(self.cache_config, config.allocation_policy, debug=config.debug)
+        self.cache_state = self.empty_state()
         self.pages = backend.init_pages(config.num_blocks)
         self.params = backend.params
         self.bytes_per_block = bytes_per_block(self.pages)
@@ -426,6 +435,15 @@ class ModelRunner:
         # n tokens fills at most n // block_size + 1 blocks.
         self._block_batch = config.max_num_batched_tokens // config.block_size + config.max_num_seqs
         self.view = self._fresh_view()
+
+    def empty_state(self):
+        """A block manager with no sequence, replicated over the backend's mesh if it has one."""
+        state = init_state(self.cache_config, self.config.allocation_policy, debug=self.config.debug)
+        if self.backend.mesh is None:
+            return state
+        from paged_jax.parallel.sharding import replicate
+
+        return replicate(state, self.backend.mesh)
 
     # ------------------------------------------------------------------ the step
 
@@ -584,7 +602,7 @@ class ModelRunner:
         verify = [i for i, w in enumerate(work) if w.spec]
         chunks = [i for i, w in enumerate(work) if len(w.tokens) > 1 and not w.spec and plain[i]]
         if decode:
-            size = buckets.decode_rows(len(decode), self.config.max_num_seqs)
+            size = buckets.decode_rows(len(decode), self.config.decode_buckets)
             outs.append(self._call("decode", [work[i] for i in decode], (size, 1), statuses))
             order.append(decode)
         if verify:
@@ -633,8 +651,8 @@ class ModelRunner:
         """One speculative round for ``items`` (``Work.spec`` proposals each): rows padded
         to a power of two, width k + 1."""
         k = self.config.num_speculative_tokens
-        # Powers of two, not decode's multiples of 8: a padding row costs k + 1 tokens
-        # here, so a lone row padded to 8 would compute 8x its tokens.
+        # Powers of two from 1, not decode's buckets from 8: a padding row costs k + 1
+        # tokens here, so a lone row padded to 8 would compute 8x its tokens.
         size = buckets.bucket(len(items), cap=self.config.max_num_seqs)
         tokens = np.zeros((size, k + 1), np.int32)
         num = np.zeros(size, np.int32)
@@ -691,11 +709,12 @@ class ModelRunner:
         return out
 
     def warmup_shapes(self) -> list[tuple[str, tuple[int, int]]]:
-        """Every (program, shape) a plain step may call: decode rows in multiples of 8 up
-        to ``max_num_seqs``, and ``buckets.prefill_shapes`` of the token budget."""
+        """Every (program, shape) a plain step may call: the decode buckets, and
+        ``buckets.prefill_shapes`` of the token budget."""
         cfg = self.config
-        decode = sorted({buckets.decode_rows(n, cfg.max_num_seqs) for n in range(1, cfg.max_num_seqs + 1)})
-        prefill = buckets.prefill_shapes(buckets.prefill_area(cfg.max_num_batched_tokens), cfg.max_num_seqs)
+        decode = cfg.decode_buckets
+        prefill = buckets.prefill_shapes(buckets.prefill_area(cfg.max_num_batched_tokens), cfg.max_num_seqs,
+                                         max_width=cfg.max_blocks_per_seq * cfg.block_size)
         return [("decode", (rows, 1)) for rows in decode] + [("prefill", shape) for shape in prefill]
 
     def warmup(self, shapes: list[tuple[str, tuple[int, int]]], on_shape: Callable | None = None) -> None:

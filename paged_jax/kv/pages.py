@@ -145,10 +145,15 @@ def _bits(x: jax.Array) -> jax.Array:
     bitcast); anything else unchanged. Scatters and gathers go through this: XLA:CPU
     has neither for those floats and converts the *whole operand* to f32 (or f16) and
     back around each one, i.e. the pool converted per layer per step."""
-    dtype = jnp.dtype(x.dtype)
-    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
-        return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * dtype.itemsize}"))
+    if _narrow_float(x):
+        return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * jnp.dtype(x.dtype).itemsize}"))
     return x
+
+
+def _narrow_float(x: jax.Array) -> bool:
+    """Whether ``_bits`` reinterprets ``x`` (sub-fp32 floats)."""
+    dtype = jnp.dtype(x.dtype)
+    return bool(jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4)
 
 
 def _set(leaf: jax.Array, index, values: jax.Array) -> jax.Array:
@@ -223,9 +228,12 @@ def write_tokens(
         flat = leaf.reshape(*leaf.shape[:lead], heads, num_slots, *feat)
         rest = (slice(None),) * len(feat)
         if layer is not None:
-            # An int and an index array split by a slice: NumPy puts the indexed axis
+            # An int and index arrays split by a slice: NumPy puts the indexed axes
             # first, so the update is [M, Hkv, (D)], the natural layout of k_new.
             ix, vals = _pad_single(idx, new.reshape(-1, heads, *feat), num_slots, axis=0)
+            if heads == 1 and not _narrow_float(leaf):  # no reshape around a size-1 axis (_flat_blocks)
+                bs = leaf.shape[lead + 2]
+                return _set(leaf, (layer, slice(None), ix // bs, ix % bs, *rest), vals)
             out = _set(flat, (layer, slice(None), ix, *rest), vals)
         else:
             vals = new.reshape(*leaf.shape[:lead], -1, heads, *feat)  # [(L,) M, Hkv, (D)]
@@ -314,7 +322,13 @@ def _write_channel(pages: KVPages, slot_mapping, k_new, v_new, layer) -> KVPages
 
 def _flat_blocks(leaf: jax.Array, axis: int) -> jax.Array:
     """``leaf`` with everything after the block ``axis`` in one axis (a free reshape):
-    one gather/scatter shape for values and scales."""
+    one gather/scatter shape for values and scales. Not with one kv head (MQA, or one per
+    device under tensor parallelism) and 32-bit or integer leaves: around that size-1
+    axis XLA:CPU gave the reshaped pool a permuted layout and copied the whole pool
+    before and after the layer loop on every step; unflattened it does not (measured;
+    bf16/fp8 values keep the flat view, which copies least there)."""
+    if leaf.shape[axis - 1 : axis] == (1,) and not _narrow_float(leaf):
+        return leaf
     return leaf.reshape(*leaf.shape[: axis + 1], -1)
 
 

@@ -117,7 +117,9 @@ def claims_table(rows: dict[str, dict]) -> str:
     for cid, row in rows.items():
         where = f"`{row['study']}`"
         if row.get("machine"):
-            where += f" ({row['machine'].get('date', '?')}{', quick' if row.get('quick') else ''})"
+            labels = [row["source"]] if row.get("source") else []
+            labels += [row["machine"].get("date", "?")] + (["quick"] if row.get("quick") else [])
+            where += f" ({', '.join(labels)})"
         lines.append(f"| {cid} | {cell(row['seed'])} | {cell(row['ours'])} | **{row['verdict']}** | {where} |")
     return "\n".join(lines)
 

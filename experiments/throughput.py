@@ -38,7 +38,7 @@ short instructions: mean prompt ~10 and output ~29 tokens at max_model_len 1024)
 the static engine reserves most of what it never uses (``alpaca_throughput_ratio``;
 ``--alpaca`` / ``--no-alpaca`` choose).
 
-Modes: ``--quick`` (~2.5 min on 2 cores with compiled programs cached in ``.jax_cache``)
+Modes: ``--quick`` (~1 min on 2 cores: 128 requests, the step curve at 8 and 32 rows)
 uses max_model_len 256, where ShareGPT-like sequences are short (mean ~60 tokens) so the
 half-empty last block of each sequence weighs more and the paged utilisation is lower
 (~0.89), and skips the Alpaca-like run; the full run uses max_model_len 1024 (~10 min).
@@ -229,23 +229,32 @@ def plot(path: str, results: dict, title: str) -> None:
 def claims(result: dict) -> list[dict]:
     """C8's verdict from a saved run (``experiments.report``)."""
     h, phases = result["headline"], result["phases"]
-    verdict = "reproduced" if h["throughput_ratio"] >= 2 else "partly reproduced"
+    ratios_seen = [h["throughput_ratio"]] + ([h["alpaca_throughput_ratio"]] if "alpaca_throughput_ratio" in h else [])
+    if min(ratios_seen) >= 2:
+        verdict = "reproduced"
+    elif max(ratios_seen) >= 2:
+        verdict = "partly reproduced"
+    else:
+        verdict = "refuted" if h["batch_ratio"] < 2 else "partly reproduced"
+    alpaca = ""
+    if "alpaca_throughput_ratio" in h:
+        alpaca = (f"; Alpaca-like: {h['alpaca_throughput_ratio']:.2f}x tokens/s from a "
+                  f"{h['alpaca_batch_ratio']:.1f}x larger batch")
     return [{
         "claim": "C8",
         "seed": "2-4x throughput, from larger batches rather than a faster kernel; needs large batches and "
                 "skewed lengths",
         "ours": (f"ShareGPT-like: {h['throughput_ratio']:.2f}x tokens/s ({phases['saturated_throughput_ratio']:.2f}x "
                  f"while requests wait) from a {h['batch_ratio']:.1f}x larger batch; KV utilisation "
-                 f"{h['paged_kv_utilization']:.2f} vs {h['static_kv_utilization']:.2f}"
-                 + (f"; Alpaca-like: {h['alpaca_throughput_ratio']:.2f}x tokens/s from a "
-                    f"{h['alpaca_batch_ratio']:.1f}x larger batch" if "alpaca_throughput_ratio" in h else "")),
+                 f"{h['paged_kv_utilization']:.2f} vs {h['static_kv_utilization']:.2f}{alpaca}"),
         "verdict": verdict,
         "why": ("The mechanism holds: the same pool runs a several-times larger batch, and the gain comes from "
-                "that batch, not from attention. The size of the gain depends on a decode step costing about "
-                "the same at 8 and 32+ rows (reading weights dominates, as on a GPU); on this CPU a step's cost "
-                "grows with its rows, so the larger batch buys less. The `--attention none` ablation bounds "
-                "the ratio here below 2 (docs/results/throughput_no_attention.json)."
-                if verdict != "reproduced" else "The larger batch pays as claimed."),
+                "that batch, not from attention (outputs are identical). How much the batch buys depends on a "
+                "decode step costing about the same at 8 and 32+ rows (reading weights dominates, as on a "
+                "GPU); on this CPU a step's cost grows with its rows, so the gain is 2x or more only where the "
+                "batch gain is largest (short requests beside a long reserved context), and the "
+                "`--attention none` ablation bounds the ShareGPT-like ratio here below 2."
+                if verdict != "reproduced" else "The larger batch pays as claimed on both workloads."),
     }]
 
 
@@ -258,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--alpaca", action=argparse.BooleanOptionalAction, default=None,
                         help="also run the Alpaca-like workload (default: in the full run only)")
     parser.add_argument("--num-requests", type=int, default=None,
-                        help="requests in the stream (default: 256 quick, 240 full)")
+                        help="requests in the stream (default: 128 quick, 240 full)")
     args = parser.parse_args(argv)
     if args.attention == "none":  # a cost ablation: registered by the study, not in the production dispatch
         from experiments import ablations
@@ -279,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
     # Enough requests that the steady state, not the ramp-up or the tail of the longest
     # requests (which decode alone in both engines), dominates.
     if args.quick:
-        max_model_len, num_requests = 256, 256
+        max_model_len, num_requests = 256, 128
     else:
         max_model_len, num_requests = 1024, 240
     num_requests = args.num_requests or num_requests
@@ -310,7 +319,9 @@ def main(argv: list[str] | None = None) -> dict:
     mean_context = int(workload["mean_prompt"] + workload["mean_output"] / 2)
     contexts = sorted({mean_context, min(2 * mean_context, max_model_len)})
     start = time.perf_counter()
-    curve = step_curve(config, list(CURVE_BATCHES), contexts, max_model_len, args.attention)
+    # Quick: the curve's ends only (each batch size is a compiled program).
+    batches = [CURVE_BATCHES[0], CURVE_BATCHES[-2]] if args.quick and len(CURVE_BATCHES) > 2 else list(CURVE_BATCHES)
+    curve = step_curve(config, batches, contexts, max_model_len, args.attention)
     curve_seconds = time.perf_counter() - start
     print(f"decode step vs batch (every row holding the workload's mean context, {mean_context} tokens, or twice it):")
     for row in curve:

@@ -56,3 +56,15 @@ def test_readme_table_is_replaced_between_its_markers():
     readme = f"intro\n{report.README_BEGIN}\nold\n{report.README_END}\nrest\n"
     assert report.readme_with_claims(readme, "NEW") == f"intro\n{report.README_BEGIN}\nNEW\n{report.README_END}\nrest\n"
     assert report.readme_with_claims("no markers", "NEW") == "no markers"
+
+
+def test_demo_prints_the_claims_table_from_this_run_and_the_committed_ones(tmp_path, capsys):
+    """The demo's wiring, with no study run: every claim comes from the committed runs."""
+    from experiments import demo
+
+    (tmp_path / "multiturn.json").write_text(open(f"{report.RESULTS_DIR}/multiturn.json").read())
+    out = demo.main(["--out", str(tmp_path), "--studies", ""])
+    printed = capsys.readouterr().out
+    assert "| C11 |" in printed and "(committed run, 20" in printed
+    assert "source" not in out["claims"]["C5"]  # this run's JSON, not marked committed
+    assert out["claims"]["C3"]["source"] == "committed run" and "`worked_example` (committed run, 20" in printed

@@ -165,7 +165,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default="out", help="directory for allocator.json")
     parser.add_argument("--policies", default="lifo,fifo,lowest_id_first,random")
     args = parser.parse_args(argv)
-    pools = [1024, 1 << 20] if args.quick else [1024, 16384, 262144, 1 << 20]
+    pools = [1024, 1 << 16] if args.quick else [1024, 16384, 262144, 1 << 20]
     iters = 40 if args.quick else 200
     policies = args.policies.split(",")
     if "lifo" not in policies:

@@ -38,6 +38,7 @@ from experiments.common import machine_info, write_json
 WIDTHS = (2, 4, 8)
 QUICK_WIDTHS = (2, 4)
 PREFIX_FRACTIONS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+QUICK_PREFIX_FRACTIONS = (0.05, 0.15, 0.5)
 
 
 
@@ -53,12 +54,12 @@ def memory_by_width(name: str, requests, make_engine, widths=WIDTHS) -> list[dic
     return rows
 
 
-def sweep_requests(decode_len: int, num_requests: int) -> dict[float, list]:
+def sweep_requests(decode_len: int, num_requests: int, fractions=PREFIX_FRACTIONS) -> dict[float, list]:
     """Per shared-prefix fraction, requests whose prompt is that fraction of ``decode_len``."""
     from paged_jax import workloads
 
     return {f: workloads.fixed_length(num_requests, prompt_len=max(1, round(f * decode_len)), output_len=decode_len,
-                                      vocab_size=sharing.VOCAB, seed=1) for f in PREFIX_FRACTIONS}
+                                      vocab_size=sharing.VOCAB, seed=1) for f in fractions}
 
 
 def prefix_sweep(streams: dict[float, list], make_engine, width: int = 4) -> list[dict]:
@@ -113,12 +114,13 @@ def step_overhead(num_requests: int, width: int, prompt_len: int, decode_len: in
             "beam_step_ms": beam_s * 1e3, "greedy_step_ms": greedy_s * 1e3, "overhead": beam_s / greedy_s}
 
 
-def sharing_throughput(requests, width: int, budget_fraction: float, repeats: int) -> dict:
+def sharing_throughput(requests, width: int, budget_fraction: float, repeats: int, small_model: bool = False) -> dict:
     """Beam-search tokens/s with sharing vs the same search without it
     (``share_blocks=False``: every fork and selection a full copy) under one KV budget,
     ``budget_fraction`` of the blocks the beams would hold, all private, at full length;
-    on the throughput study's model. The engines alternate ``repeats`` times after a
-    compiling run each; the figure is the median tokens/s (compile excluded)."""
+    on the throughput study's model (``small_model``: the memory runs' 2-layer one, for
+    quick runs). The engines alternate ``repeats`` times after a compiling run each; the
+    figure is the median tokens/s (compile excluded)."""
     from experiments.throughput import study_model
     from paged_jax.config import blocks_for
     from paged_jax.engine import LLM, BeamSearchParams
@@ -129,7 +131,7 @@ def sharing_throughput(requests, width: int, budget_fraction: float, repeats: in
     # At least one whole search unshared, at full length: every request can run alone.
     blocks = max(int(np.ceil(budget_fraction * demand)), width * (max_model_len // bs))
     rows = len(requests) * width
-    model = study_model(max_model_len)
+    model = (sharing.memory_model if small_model else study_model)(max_model_len)
     prompts = [list(r.prompt_token_ids) for r in requests]
     params = [BeamSearchParams(beam_width=width, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
     engines = {share: LLM(model, block_size=bs, num_gpu_blocks=blocks, max_num_seqs=rows,
@@ -184,7 +186,8 @@ def main(argv: list[str] | None = None) -> dict:
     widths = QUICK_WIDTHS if quick else WIDTHS
     print(f"beam study, {'quick' if quick else 'FULL'}: {num_requests} requests per workload, "
           f"lengths scaled to {contexts}")
-    sweep_streams = sweep_requests(decode_len=32 if quick else 64, num_requests=2 if quick else 8)
+    sweep_streams = sweep_requests(decode_len=32 if quick else 64, num_requests=2 if quick else 8,
+                                   fractions=QUICK_PREFIX_FRACTIONS if quick else PREFIX_FRACTIONS)
     make_engine = sharing.engines(sharing.engine_len(*streams.values(), *sweep_streams.values()),
                                   max_num_seqs=num_requests * max(widths))
     by_width = []
@@ -202,7 +205,8 @@ def main(argv: list[str] | None = None) -> dict:
                          repeats=1 if quick else 3)
     print(f"\nbeam step {cost['beam_step_ms']:.1f} ms vs greedy {cost['greedy_step_ms']:.1f} ms at batch "
           f"{cost['batch']}: overhead {cost['overhead']:.2f}")
-    budget = sharing_throughput(streams["alpaca_like"], width=4, budget_fraction=0.5, repeats=1 if quick else 3)
+    budget = sharing_throughput(streams["alpaca_like"], width=4, budget_fraction=0.5, repeats=1 if quick else 3,
+                                small_model=quick)
     print(f"\nbeam search (width 4, alpaca_like) at {budget['kv_blocks']} KV blocks (half the unshared demand): "
           f"{budget['tokens_per_s_shared']:.1f} tokens/s shared vs {budget['tokens_per_s_unshared']:.1f} every fork "
           f"a full copy = {budget['ratio']:.2f}x (mean batch {budget['mean_batch_shared']:.1f} vs "

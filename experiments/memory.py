@@ -43,7 +43,7 @@ Headline (ShareGPT-like; ``alpaca_``-prefixed for Alpaca-like): ``static_kv_util
 ``batch_ratio``. Full run: max_model_len 2048 (OPT's context, over which the vLLM paper
 measured these means: the lengths are the paper's own), 128 ShareGPT-like + 320
 Alpaca-like requests, ~3 min on 2 cores with compiled programs cached (~6 min cold);
-``--quick``: max_model_len 256 (lengths scaled down with it), 48 + 96 requests, ~40 s
+``--quick``: max_model_len 256 (lengths scaled down with it), 32 + 64 requests, ~30 s
 with compiled programs cached (~3 min cold).
 Writes DIR/memory.json and DIR/memory.png (KV utilisation and KV memory charged over
 time, per engine and workload; the timelines thinned to ``TIMELINE_POINTS`` steps each).
@@ -63,7 +63,7 @@ from experiments.throughput import BLOCK_SIZE, make_engine, run_interleaved
 STATIC_SEQS = 8  # the pool: the static engine fits this many max_model_len reservations
 MAX_NUM_SEQS = 64  # the paged engine's cap in experiment (a)
 FULL = {"max_model_len": 2048, "requests": {"sharegpt_like": 128, "alpaca_like": 320}}
-QUICK = {"max_model_len": 256, "requests": {"sharegpt_like": 48, "alpaca_like": 96}}
+QUICK = {"max_model_len": 256, "requests": {"sharegpt_like": 32, "alpaca_like": 64}}
 ENGINES = ("static", "paged", "paged_at_static_batch")
 VOCAB = 2048
 TIMELINE_POINTS = 1500  # steps per engine kept in the JSON and the plot (evenly spaced)

@@ -61,7 +61,7 @@ def test_beam_and_parallel_studies_run_and_write_their_json(tmp_path, monkeypatc
     monkeypatch.setattr(beam, "QUICK_WIDTHS", (4,))
     monkeypatch.setattr(parallel, "QUICK_NS", (4,))
     monkeypatch.setattr(sharing, "LENGTH_CONTEXTS", {"alpaca_like": 512, "sharegpt_like": 256})
-    monkeypatch.setattr(beam, "PREFIX_FRACTIONS", (0.1, 0.5))
+    monkeypatch.setattr(beam, "QUICK_PREFIX_FRACTIONS", (0.1, 0.5))
     monkeypatch.setattr(sharing, "VOCAB", FAKE_VOCAB)
     set_debug_checks(False)
     result = beam.main(["--quick", "--out", str(tmp_path)])

@@ -312,7 +312,23 @@ def sweep(
                       f"{measured['num_blocks']} blocks, {measured['preemptions']} preemptions, "
                       f"{measured['wall_seconds']:.1f} s", flush=True)
         del llm
+        release_compiled_programs()
     return rows
+
+
+def release_compiled_programs(fraction: float = 0.4) -> bool:
+    """Drop JAX's compiled programs once the process holds ``fraction`` of its memory-mapping
+    limit (XLA:CPU maps hundreds per program; a long grid would otherwise crash XLA):
+    later configs recompile what they need, from the persistent cache when it has it."""
+    from paged_jax.compilation_cache import memory_mappings
+
+    usage = memory_mappings()
+    if usage is None or usage[0] < fraction * usage[1]:
+        return False
+    import jax
+
+    jax.clear_caches()
+    return True
 
 
 # --------------------------------------------------------------------------- tables

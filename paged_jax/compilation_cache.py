@@ -54,3 +54,34 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | Non
     except (ImportError, AttributeError):
         pass
     return directory
+
+
+# XLA:CPU maps memory for each compiled kernel: a model step holds ~430 mappings (jax 0.10),
+# and Linux refuses more than ``vm.max_map_count`` (65530 by default) per process, at which
+# point LLVM fails to allocate and the process segfaults inside XLA. Programs stay mapped
+# while JAX's caches hold them: ``jax.clear_caches()`` unmaps the ones no longer needed.
+MAPPINGS_WARNING_FRACTION = 0.6
+
+
+def memory_mappings() -> tuple[int, int] | None:
+    """``(mappings this process holds, the kernel's per-process limit)``, or None where the
+    kernel does not say (not Linux)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            count = f.read().count(b"\n")
+        with open("/proc/sys/vm/max_map_count") as f:
+            return count, int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def mappings_pressure() -> str | None:
+    """A warning's text when the process holds over ``MAPPINGS_WARNING_FRACTION`` of its
+    memory-mapping limit (each compiled program holds hundreds), else None."""
+    usage = memory_mappings()
+    if usage is None or usage[0] < MAPPINGS_WARNING_FRACTION * usage[1]:
+        return None
+    count, limit = usage
+    return (f"this process holds {count} of its {limit} memory mappings, mostly compiled XLA programs "
+            "(hundreds each on a CPU); past the limit XLA crashes while compiling. Call jax.clear_caches() "
+            "between experiments that no longer need each other's programs, or raise vm.max_map_count")

@@ -18,6 +18,21 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 from paged_jax.cache import set_debug_checks  # noqa: E402
+from paged_jax.compilation_cache import memory_mappings  # noqa: E402
+
+# A worker compiles hundreds of programs over the suite and XLA:CPU maps memory for each
+# (~430 mappings per model step); at the kernel's per-process limit (vm.max_map_count)
+# XLA segfaults while compiling. Dropping JAX's caches unmaps the programs; the next test
+# that needs one recompiles it (or reads it from the persistent cache).
+_CLEAR_CACHES_AT = 0.45  # of the limit: below LLM's warning (compilation_cache.MAPPINGS_WARNING_FRACTION)
+
+
+@pytest.fixture(autouse=True)
+def _unmap_compiled_programs_near_the_limit():
+    yield
+    usage = memory_mappings()
+    if usage is not None and usage[0] > _CLEAR_CACHES_AT * usage[1]:
+        jax.clear_caches()
 
 
 @pytest.fixture(autouse=True)

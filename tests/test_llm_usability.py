@@ -261,3 +261,18 @@ def check_invariants_and_empty(llm):
 
     check_invariants(llm.runner.cache_state)
     assert llm.runner.view.num_available == llm.num_gpu_blocks
+
+
+def test_llm_warns_before_compiled_programs_exhaust_the_memory_mappings(monkeypatch):
+    """XLA:CPU maps hundreds of regions per compiled program; past vm.max_map_count it
+    crashes while compiling, so an engine built near the limit says so first."""
+    from paged_jax import compilation_cache
+
+    usage = compilation_cache.memory_mappings()
+    if usage is None:
+        pytest.skip("the kernel does not report memory mappings here")
+    count, limit = usage
+    assert 0 < count < limit and compilation_cache.mappings_pressure() is None  # the suite keeps it low
+    monkeypatch.setattr(compilation_cache, "MAPPINGS_WARNING_FRACTION", 0.0)
+    with pytest.warns(UserWarning, match=f"of its {limit} memory mappings.*jax.clear_caches"):
+        LLM(fake_backend(4), block_size=4, num_gpu_blocks=32, max_model_len=32)

@@ -29,7 +29,7 @@ import warnings
 import jax
 
 from paged_jax import buckets
-from paged_jax.compilation_cache import enable_compilation_cache
+from paged_jax.compilation_cache import enable_compilation_cache, mappings_pressure
 from paged_jax.config import blocks_for
 from paged_jax.dtypes import dtype_name
 from paged_jax.engine import beam as beam_lib
@@ -350,6 +350,8 @@ class LLM:
         attention_impl = self._tiled_impl(model, attention_impl, block_size, speculative)
         tok = self._tokenizer(model, tokenizer, skip_tokenizer_init)
         enable_compilation_cache()
+        if (pressure := mappings_pressure()) is not None:
+            warnings.warn(pressure, stacklevel=2)
         backend = build_backend(
             model, dtype=dtype, seed=seed, attention_impl=attention_impl, block_size=block_size,
             kv_cache_dtype=kv_cache_dtype, speculative=speculative, mesh=mesh,

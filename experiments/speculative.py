@@ -3,13 +3,20 @@ plain decoding, by proposal method, k and batch.
 
     python -m experiments speculative [--quick] [--out DIR]
 
-The target is the throughput study's model (8 layers, hidden 512, vocab 8192, random
-weights); every request is greedy, so each speculative run's outputs must equal the
-plain run's token for token (checked and reported). Workloads:
+Every request is greedy, so each speculative run's outputs must equal the plain run's
+token for token (checked and reported). Workloads:
 
-- **repetitive** (where prompt lookup pays): prompts that repeat a 12-token phrase three
-  times; the random model's greedy continuations fall into cycles, which an n-gram
-  lookup predicts. Method "ngram" for k in 1..8 at batch 1 (k in 2, 4 at batch 8 and 32).
+- **copy** (where prompt lookup pays): a copy/edit task on a model that copies, the tiny
+  Llama of ``tests/fixtures/copy_llama`` (2 layers, hidden 128, trained by
+  ``scripts/train_copy_model.py`` to continue a text by copying its earlier occurrence);
+  each prompt is a 48-token document, a separator and the first 4 tokens of its copy, so
+  the continuation is in the prompt. Method "ngram" for k in 1..8 at batch 1 (k in 2, 4
+  at batch 8).
+- **repetitive, random model**: the throughput study's model (8 layers, hidden 512,
+  vocab 8192, random weights, 33M parameters): prompts that repeat a 12-token phrase
+  three times; the random model's greedy continuations fall into cycles, which an n-gram
+  lookup predicts now and then. Method "ngram" for k in 1..8 at batch 1 (k in 2, 4 at
+  batch 8 and 32).
 - **draft = target** (acceptance 1: every proposal is the target's argmax): the pure
   cost of the machinery, a draft as large as the target; and a **smaller draft**
   (2 layers, hidden 256, same vocabulary, random: it rarely agrees with the target, so
@@ -18,8 +25,10 @@ plain run's token for token (checked and reported). Workloads:
 Tokens per second exclude compilation (every run is repeated after a warm-up of the
 same shapes). ``verify_step_cost_k4`` = median time of a batch-1 step that ran one k = 4
 verification over the median plain decode step (same run, same machine).
-Headlines: ``ngram_speedup_batch1`` (k = 4), ``best_ngram_speedup_batch1`` (and its k),
-``verify_step_cost_k4``, ``draft_self_speedup_batch1``.
+Headlines (copy workload unless prefixed ``random_``): ``ngram_speedup_batch1`` (k = 4),
+``best_ngram_speedup_batch1`` (and its k), ``verify_step_cost_k4``,
+``copy_acceptance_k4``; ``random_ngram_speedup_batch1``, ``random_verify_step_cost_k4``
+(the 33M random model); ``draft_self_speedup_batch1``.
 """
 
 from __future__ import annotations
@@ -34,8 +43,13 @@ from experiments.throughput import study_model
 
 MAX_MODEL_LEN = 512
 PHRASE, REPEATS = 12, 3
-FULL = dict(max_tokens=128, batches=(1, 8, 32), ks_batch1=(1, 2, 3, 4, 5, 6, 7, 8), ks=(2, 4), draft_batches=(1, 8))
-QUICK = dict(max_tokens=24, batches=(1,), ks_batch1=(2, 4), ks=(), draft_batches=(1,))
+COPY_FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "fixtures",
+                            "copy_llama")
+COPY_DOC, COPY_SHOWN = 48, 4  # a copy prompt: BOS, the document, SEP, the copy's first tokens
+COPY_BOS, COPY_SEP, COPY_FIRST_WORD = 1, 2, 3  # scripts/train_copy_model.py's ids
+FULL = dict(max_tokens=128, batches=(1, 8, 32), ks_batch1=(1, 2, 3, 4, 5, 6, 7, 8), ks=(2, 4), draft_batches=(1, 8),
+            copy_batches=(1, 8))
+QUICK = dict(max_tokens=24, batches=(1,), ks_batch1=(2, 4), ks=(), draft_batches=(1,), copy_batches=(1,))
 
 
 def small_draft(config):
@@ -43,22 +57,33 @@ def small_draft(config):
                           head_dim=64)
 
 
-def prompts(config, n: int, seed: int = 0) -> list[list[int]]:
+def prompts(vocab_size: int, n: int, seed: int = 0) -> list[list[int]]:
+    """The random model's repetitive prompts: a phrase, ``REPEATS`` times."""
     rng = np.random.default_rng(seed)
-    return [rng.integers(0, config.vocab_size, PHRASE).tolist() * REPEATS for _ in range(n)]
+    return [rng.integers(0, vocab_size, PHRASE).tolist() * REPEATS for _ in range(n)]
 
 
-def run(config, batch: int, max_tokens: int, spec: dict | None) -> dict:
-    """One engine, one warm-up generate and one measured generate of ``batch`` requests."""
+def copy_prompts(vocab_size: int, n: int, seed: int = 0) -> list[list[int]]:
+    """Copy-task prompts: BOS, a random document, SEP, the first tokens of its copy."""
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(COPY_FIRST_WORD, vocab_size, COPY_DOC).tolist() for _ in range(n)]
+    return [[COPY_BOS, *doc, COPY_SEP, *doc[:COPY_SHOWN]] for doc in docs]
+
+
+def run(model, batch: int, max_tokens: int, spec: dict | None, make_prompts=prompts) -> dict:
+    """One engine, one warm-up generate and one measured generate of ``batch`` requests
+    (``make_prompts(vocab_size, n, seed)``); ``model``: a ModelConfig or checkpoint dir."""
     from paged_jax.engine import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    max_model_len = 16 * -(-(PHRASE * REPEATS + max_tokens + 1) // 16)
-    llm = LLM(config, num_gpu_blocks=batch * max_model_len // 16, max_num_seqs=batch, max_model_len=max_model_len,
-              speculative_config=spec)
-    llm.generate(prompts(config, batch, seed=1), params, use_tqdm=False)  # compile every shape
+    prompt_len = max(len(p) for p in make_prompts(256, 1))
+    max_model_len = 16 * -(-(prompt_len + max_tokens + 1) // 16)
+    llm = LLM(model, num_gpu_blocks=batch * max_model_len // 16, max_num_seqs=batch, max_model_len=max_model_len,
+              speculative_config=spec, dtype="float32")
+    vocab = llm.runner.backend.vocab_size
+    llm.generate(make_prompts(vocab, batch, seed=1), params, use_tqdm=False)  # compile every shape
     llm.reset_stats()
-    outs = llm.generate(prompts(config, batch), params, use_tqdm=False)
+    outs = llm.generate(make_prompts(vocab, batch), params, use_tqdm=False)
     s = llm.stats()
     timeline = llm.engine.stats.timeline
     ends = np.array([r.end_seconds for r in timeline])
@@ -68,6 +93,7 @@ def run(config, batch: int, max_tokens: int, spec: dict | None) -> dict:
     verify = [t for t, r in zip(seconds, timeline) if not r.prefilled and not r.compile_seconds
               and r.speculated == r.batch]
     return {
+        "workload": "copy" if make_prompts is copy_prompts else "random",
         "batch": batch,
         "method": None if spec is None else spec["method"],
         "k": 0 if spec is None else spec["num_speculative_tokens"],
@@ -91,59 +117,67 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
     config = study_model(MAX_MODEL_LEN)
-    plans = []
+    ngram = lambda k: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}  # noqa: E731
+    plans = []  # (workload, batch, spec)
+    for b in cfg["copy_batches"]:
+        plans += [("copy", b, None)] + [("copy", b, ngram(k)) for k in (cfg["ks_batch1"] if b == 1 else cfg["ks"])]
     for b in cfg["batches"]:
-        plans.append((b, None))
-        for k in cfg["ks_batch1"] if b == 1 else cfg["ks"]:
-            plans.append((b, {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}))
+        plans += [("random", b, None)] + [("random", b, ngram(k)) for k in (cfg["ks_batch1"] if b == 1 else cfg["ks"])]
     for b in cfg["draft_batches"]:
-        plans.append((b, {"method": "draft_model", "model": config, "label": "self", "num_speculative_tokens": 4}))
-        plans.append((b, {"method": "draft_model", "model": small_draft(config), "label": "small",
-                          "num_speculative_tokens": 4}))
+        plans.append(("random", b, {"method": "draft_model", "model": config, "label": "self",
+                                    "num_speculative_tokens": 4}))
+        plans.append(("random", b, {"method": "draft_model", "model": small_draft(config), "label": "small",
+                                    "num_speculative_tokens": 4}))
     try:
         from tqdm.auto import tqdm
     except ImportError:  # optional extra
         def tqdm(x, **_):
             return x
-    print(f"speculative study, {'quick' if args.quick else 'FULL'}: {cfg['max_tokens']} greedy tokens per request, "
-          f"prompts repeat a {PHRASE}-token phrase {REPEATS}x")
+    print(f"speculative study, {'quick' if args.quick else 'FULL'}: {cfg['max_tokens']} greedy tokens per request; "
+          f"copy: the copy model on {COPY_DOC}-token documents; random: prompts repeat a {PHRASE}-token phrase "
+          f"{REPEATS}x")
     rows = []
-    for batch, spec in tqdm(plans, desc="runs", unit="run"):
+    for workload, batch, spec in tqdm(plans, desc="runs", unit="run"):
         engine_spec = None if spec is None else {k: v for k, v in spec.items() if k != "label"}
-        row = run(config, batch, cfg["max_tokens"], engine_spec)
+        model, make = (COPY_FIXTURE, copy_prompts) if workload == "copy" else (config, prompts)
+        row = run(model, batch, cfg["max_tokens"], engine_spec, make)
         if spec is not None and "label" in spec:
             row["method"] = f"draft_model:{spec['label']}"
         rows.append(row)
-    plain = {r["batch"]: r for r in rows if r["method"] is None}
+    plain = {(r["workload"], r["batch"]): r for r in rows if r["method"] is None}
     for r in rows:
-        base = plain[r["batch"]]
+        base = plain[r["workload"], r["batch"]]
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
         r["outputs_identical"] = r["tokens"] == base["tokens"]
-    print("\n| batch | method | k | tokens/s | speedup | steps / output token | acceptance | tokens / round | "
-          "identical |\n|---:|---|---:|---:|---:|---:|---:|---:|---|")
+    print("\n| workload | batch | method | k | tokens/s | speedup | steps / output token | acceptance | "
+          "tokens / round | identical |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['method'] or 'plain'} | {r['k']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | "
-              f"{r['steps_per_output_token']:.2f} | {r['acceptance_rate']:.3f} | {r['mean_tokens_per_round']:.2f} | "
-              f"{r['outputs_identical']} |")
-    b1 = [r for r in rows if r["batch"] == 1 and r["method"] == "ngram"]
-    k4 = next(r for r in b1 if r["k"] == 4)
-    best = max(b1, key=lambda r: r["speedup"])
-    verify_cost = k4["median_verify_step_s"] / plain[1]["median_decode_step_s"] if k4["median_verify_step_s"] else None
+        print(f"| {r['workload']} | {r['batch']} | {r['method'] or 'plain'} | {r['k']} | {r['tokens_per_s']:.1f} | "
+              f"{r['speedup']:.2f} | {r['steps_per_output_token']:.2f} | {r['acceptance_rate']:.3f} | "
+              f"{r['mean_tokens_per_round']:.2f} | {r['outputs_identical']} |")
+    headline = {}
+    for workload, prefix in (("copy", ""), ("random", "random_")):
+        b1 = [r for r in rows if r["workload"] == workload and r["batch"] == 1 and r["method"] == "ngram"]
+        k4 = next(r for r in b1 if r["k"] == 4)
+        best = max(b1, key=lambda r: r["speedup"])
+        decode_s = plain[workload, 1]["median_decode_step_s"]
+        headline[f"{prefix}ngram_speedup_batch1"] = k4["speedup"]
+        headline[f"{prefix}best_ngram_speedup_batch1"] = best["speedup"]
+        headline[f"{prefix}best_ngram_k_batch1"] = best["k"]
+        headline[f"{prefix}verify_step_cost_k4"] = (k4["median_verify_step_s"] / decode_s
+                                                   if k4["median_verify_step_s"] and decode_s else None)
+        headline[f"{prefix or 'copy_'}acceptance_k4"] = k4["acceptance_rate"]
     draft_self = next(r for r in rows if r["batch"] == 1 and r["method"] == "draft_model:self")
-    headline = {
-        "ngram_speedup_batch1": k4["speedup"],
-        "best_ngram_speedup_batch1": best["speedup"],
-        "best_ngram_k_batch1": best["k"],
-        "verify_step_cost_k4": verify_cost,
-        "draft_self_speedup_batch1": draft_self["speedup"],
-        "all_outputs_identical": all(r["outputs_identical"] for r in rows),
-    }
+    headline["draft_self_speedup_batch1"] = draft_self["speedup"]
+    headline["all_outputs_identical"] = all(r["outputs_identical"] for r in rows)
     print("headline:", {k: round(v, 3) if isinstance(v, float) else v for k, v in headline.items()})
     for r in rows:
         del r["tokens"]
     result = {"study": "speculative", "machine": machine_info(), "quick": args.quick,
               "config": {"model": {"num_layers": config.num_layers, "hidden_size": config.hidden_size,
                                    "vocab_size": config.vocab_size},
+                         "copy_model": "tests/fixtures/copy_llama", "copy_document": COPY_DOC,
+                         "copy_shown": COPY_SHOWN,
                          "max_tokens": cfg["max_tokens"], "phrase": PHRASE, "repeats": REPEATS},
               "rows": rows, "headline": headline}
     write_json(args.out, "speculative", result)
@@ -158,12 +192,15 @@ def plot(path: str, rows: list[dict]) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for batch in sorted({r["batch"] for r in rows}):
-        ngram = sorted((r for r in rows if r["batch"] == batch and r["method"] == "ngram"), key=lambda r: r["k"])
-        if ngram:
-            ax1.plot([r["k"] for r in ngram], [r["speedup"] for r in ngram], marker="o", label=f"batch {batch}")
-            ax2.plot([r["k"] for r in ngram], [r["steps_per_output_token"] for r in ngram], marker="o",
-                     label=f"batch {batch}")
+    for workload, style in (("copy", "-"), ("random", "--")):
+        for batch in sorted({r["batch"] for r in rows}):
+            ngram = sorted((r for r in rows if r["workload"] == workload and r["batch"] == batch
+                            and r["method"] == "ngram"), key=lambda r: r["k"])
+            if ngram:
+                label = f"{workload}, batch {batch}"
+                ax1.plot([r["k"] for r in ngram], [r["speedup"] for r in ngram], style, marker="o", label=label)
+                ax2.plot([r["k"] for r in ngram], [r["steps_per_output_token"] for r in ngram], style, marker="o",
+                         label=label)
     ax1.axhline(1.0, color="gray", lw=0.8)
     ax1.set(xlabel="k (proposed tokens)", ylabel="tokens/s over plain decoding", title="n-gram speculation")
     ax2.set(xlabel="k (proposed tokens)", ylabel="target steps per output token", title="steps saved")

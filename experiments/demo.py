@@ -17,7 +17,7 @@ import time
 from experiments import report
 
 # Claim studies whose --quick run takes about a minute or less on 2 cores with nothing
-# compiled (~2 min together); the others' figures come from the committed full runs.
+# compiled (~1.2 min together, 2026-12-02); the others' figures come from the committed full runs.
 DEMO_STUDIES = ("worked_example", "memory", "allocation_order", "table_growth", "small_kv")
 
 

@@ -20,6 +20,7 @@ from paged_jax.steps import init_pages_for, make_step_fns
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 NAMES = ("llama", "qwen2", "mistral")
+PARITY = NAMES + ("llama_yarn",)  # llama_yarn: yarn RoPE, by scripts/make_rope_fixture.py
 ATOL = 1e-4
 T = 16  # every prompt is padded to this length: one compiled shape per model
 
@@ -55,7 +56,7 @@ def test_configs_parsed_from_hf():
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b))  # exact upcast
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", PARITY)
 def test_dense_logits_match_transformers(name):
     config, graphdef, params = _load(name)
     exp = _expected(name)
@@ -68,7 +69,7 @@ def test_dense_logits_match_transformers(name):
         np.testing.assert_allclose(logits[i, : len(p)], exp[f"logits_{i}"], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", PARITY)
 def test_paged_greedy_decoding_matches_transformers(name):
     """Prefill both prompts in one batch, then 8 greedy steps through the paged cache."""
     config, _, params = _load(name)

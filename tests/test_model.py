@@ -45,8 +45,10 @@ def test_config_validation_names_the_field():
         ModelConfig(**TINY, dtype="int8")
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
         ModelConfig(**TINY, architecture="GPT2LMHeadModel")
-    with pytest.raises(ValueError, match="rope_type='yarn'"):
-        RopeScaling(8.0, 1.0, 4.0, 16, rope_type="yarn")
+    with pytest.raises(ValueError, match="rope_type='dynamic'"):
+        RopeScaling(8.0, 1.0, 4.0, 16, rope_type="dynamic")
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
+        RopeScaling(4.0, rope_type="yarn")
     assert hash(CFG) == hash(ModelConfig(**TINY, max_position_embeddings=256))  # usable as a static arg
 
 
@@ -69,7 +71,9 @@ def test_from_hf_rejects_what_is_not_implemented():
         ({"architectures": ["BertModel"]}, "unsupported architecture 'BertModel'; supported: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"mlp_bias": True}, "mlp_bias"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "'yarn' is not supported"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "'dynamic' is not supported"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "'longrope' is not supported"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
     ]:
         with pytest.raises(ValueError, match=msg):
             ModelConfig.from_hf({**HF4_LLAMA, **bad})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
@@ -24,28 +25,69 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 _BY_MODEL_TYPE = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
 
 
+ROPE_TYPES = ("llama3", "linear", "yarn")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency-dependent RoPE scaling (``rope_type: "llama3"``)."""
+    """RoPE frequency scaling, as Hugging Face's ``rope_scaling`` / ``rope_parameters`` give it.
+
+    ``rope_type``:
+      - ``"llama3"``: frequency bands (long wavelengths slowed by ``factor``, short kept,
+        the middle blended); needs ``low_freq_factor``, ``high_freq_factor`` and
+        ``original_max_position_embeddings``.
+      - ``"linear"``: every frequency divided by ``factor`` (position interpolation).
+      - ``"yarn"``: NTK-by-parts, a ramp from interpolated to original frequencies between
+        the dimensions that rotate ``beta_fast`` and ``beta_slow`` times over
+        ``original_max_position_embeddings``; cos and sin scaled by ``attention_factor``
+        (when None: ``0.1 ln(factor) + 1``, or the ratio of that with ``mscale`` and
+        ``mscale_all_dim`` when both are set); ``truncate`` rounds the ramp's ends.
+    """
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
     rope_type: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
     def __post_init__(self):
-        if self.rope_type != "llama3":
-            raise ValueError(f"rope_scaling.rope_type={self.rope_type!r}: only 'llama3' is supported")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_scaling.rope_type={self.rope_type!r}: supported: {', '.join(ROPE_TYPES)}")
         if not self.factor > 0:
             raise ValueError(f"rope_scaling.factor={self.factor}: must be > 0")
-        if not self.high_freq_factor > self.low_freq_factor > 0:
-            raise ValueError(
-                f"rope_scaling: need high_freq_factor ({self.high_freq_factor}) > "
-                f"low_freq_factor ({self.low_freq_factor}) > 0"
-            )
-        if self.original_max_position_embeddings < 1:
+        if self.rope_type == "linear":
+            return
+        if self.original_max_position_embeddings is None or self.original_max_position_embeddings < 1:
             raise ValueError("rope_scaling.original_max_position_embeddings must be >= 1")
+        if self.rope_type == "llama3":
+            if not (self.high_freq_factor or 0) > (self.low_freq_factor or 0) > 0:
+                raise ValueError(
+                    f"rope_scaling: need high_freq_factor ({self.high_freq_factor}) > "
+                    f"low_freq_factor ({self.low_freq_factor}) > 0"
+                )
+        elif self.attention_factor is not None and not self.attention_factor > 0:
+            raise ValueError(f"rope_scaling.attention_factor={self.attention_factor}: must be > 0")
+
+    @property
+    def attention_scaling(self) -> float:
+        """The factor on cos and sin (on every query-key logit, squared): 1 except for yarn."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return float(mscale(self.factor, self.mscale) / mscale(self.factor, self.mscale_all_dim))
+        return mscale(self.factor)
 
 
 def _positive(name: str, value) -> None:
@@ -60,7 +102,7 @@ class ModelConfig:
     Attributes:
       vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads,
         head_dim: sizes; num_heads must be a multiple of num_kv_heads (MHA/GQA/MQA).
-      rope_theta: RoPE base. rope_scaling: ``RopeScaling`` (llama3) or None.
+      rope_theta: RoPE base. rope_scaling: ``RopeScaling`` (llama3, linear, yarn) or None.
       rms_norm_eps: RMSNorm epsilon.
       max_position_embeddings: longest sequence the model accepts.
       sliding_window: Mistral/Qwen2 sliding-window size, or None. Sliding-window
@@ -172,9 +214,12 @@ class ModelConfig:
             raise ValueError("mlp_bias=True is not supported")
 
         rope = dict(hf.get("rope_parameters") or {})
+        partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+        if partial is not None and float(partial) != 1.0:
+            raise ValueError(f"partial_rotary_factor={partial}: only 1.0 (RoPE on the whole head) is supported")
         theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
         scaling = hf.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
-        rope_scaling = _rope_scaling(scaling)
+        rope_scaling = _rope_scaling(scaling, hf)
 
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
@@ -240,17 +285,37 @@ def _architecture(hf: dict) -> str:
     return _BY_MODEL_TYPE[model_type]
 
 
-def _rope_scaling(scaling: dict) -> RopeScaling | None:
+def _rope_scaling(scaling: dict, hf: dict) -> RopeScaling | None:
+    """``RopeScaling`` from HF's rope dict; ``hf`` (the whole config) supplies what
+    transformers takes from it: a top-level ``original_max_position_embeddings`` (it wins,
+    as in transformers) or else ``max_position_embeddings``, and yarn's missing factor."""
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
         return None
-    if kind != "llama3":
-        raise ValueError(f"rope scaling type {kind!r} is not supported (only 'llama3' or none)")
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"rope scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)} or none)")
+    if kind == "linear":
+        return RopeScaling(factor=float(scaling["factor"]), rope_type="linear")
+    original = hf.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+    original = int(original or hf.get("max_position_embeddings", 2048))
+    if kind == "llama3":
+        return RopeScaling(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=original,
+        )
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else hf.get("max_position_embeddings", 2048) / original
+    optional = {k: float(scaling[k]) for k in ("attention_factor", "mscale", "mscale_all_dim") if scaling.get(k)}
     return RopeScaling(
-        factor=float(scaling["factor"]),
-        low_freq_factor=float(scaling["low_freq_factor"]),
-        high_freq_factor=float(scaling["high_freq_factor"]),
-        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        factor=factor,
+        original_max_position_embeddings=original,
+        rope_type="yarn",
+        beta_fast=float(scaling.get("beta_fast") or 32.0),
+        beta_slow=float(scaling.get("beta_slow") or 1.0),
+        truncate=bool(scaling.get("truncate", True)),
+        **optional,
     )
 
 

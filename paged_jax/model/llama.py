@@ -31,6 +31,7 @@ out]``, the transpose of HF's ``weight``.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -48,15 +49,28 @@ AttendFn = Callable[[Any, jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax
 # --------------------------------------------------------------------------- RoPE
 
 
+class Rope(NamedTuple):
+    """What RoPE needs besides positions: ``inv_freq`` float32[head_dim // 2] and the
+    factor on cos and sin (``scaling``; 1 except for yarn)."""
+
+    inv_freq: np.ndarray
+    scaling: float = 1.0
+
+
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """float32[head_dim // 2] inverse frequencies, llama3 scaling applied (as HF computes
-    them: in float32, from ``rope_theta ** (2i / head_dim)``)."""
+    """float32[head_dim // 2] inverse frequencies with the config's scaling applied, as HF
+    computes them (in float32, from ``rope_theta ** (2i / head_dim)``)."""
     d = config.head_dim
     exponent = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
-    inv_freq = (np.float32(1.0) / (np.float32(config.rope_theta) ** exponent)).astype(np.float32)
+    pos_freqs = (np.float32(config.rope_theta) ** exponent).astype(np.float32)
+    inv_freq = (np.float32(1.0) / pos_freqs).astype(np.float32)
     s = config.rope_scaling
     if s is None:
         return inv_freq
+    if s.rope_type == "linear":
+        return (inv_freq / np.float32(s.factor)).astype(np.float32)
+    if s.rope_type == "yarn":
+        return _yarn_inv_freq(s, pos_freqs, d, config.rope_theta)
     low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     wavelen = 2 * np.pi / inv_freq
@@ -70,12 +84,42 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     return np.where(medium, blended, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+def _yarn_inv_freq(s, pos_freqs: np.ndarray, dim: int, base: float) -> np.ndarray:
+    """YaRN's NTK-by-parts frequencies: original (extrapolated) below the dimension that
+    turns ``beta_fast`` times over the original context, interpolated (/ factor) above the
+    one that turns ``beta_slow`` times, a linear ramp between (float32, as HF)."""
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as HF: no zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation = (np.float32(1) - ramp.astype(np.float32)).astype(np.float32)
+    interpolated = (np.float32(1) / (np.float32(s.factor) * pos_freqs)).astype(np.float32)
+    original = (np.float32(1) / pos_freqs).astype(np.float32)
+    return (interpolated * (1 - extrapolation) + original * extrapolation).astype(np.float32)
+
+
+def rope_tables(config: ModelConfig) -> Rope:
+    """The model's ``Rope`` (frequencies and cos/sin scaling) from its config."""
+    scaling = 1.0 if config.rope_scaling is None else config.rope_scaling.attention_scaling
+    return Rope(rope_inv_freq(config), scaling)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scaling: float = 1.0) -> jax.Array:
     """Rotate ``x: [B, T, H, D]`` by ``positions: int32[B, T]`` (HF's rotate-half layout:
-    pairs are ``(i, i + D/2)``). Computed in fp32, returned in x.dtype."""
+    pairs are ``(i, i + D/2)``), cos and sin times ``scaling``. Computed in fp32, returned
+    in x.dtype."""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, D]
     cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if scaling != 1.0:
+        cos, sin = cos * scaling, sin * scaling
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
@@ -114,13 +158,13 @@ class Attention(nnx.Module):
         self.o_proj = _linear(cfg, cfg.num_heads * d, h, cfg.attention_out_bias, rngs)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
 
-    def __call__(self, x, positions, inv_freq, kv, layer: jax.Array, attend: AttendFn):
+    def __call__(self, x, positions, rope: Rope, kv, layer: jax.Array, attend: AttendFn):
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+        q = apply_rope(q, positions, *rope)
+        k = apply_rope(k, positions, *rope)
         out, kv = attend(kv, layer, q, k, v)
         return self.o_proj(out.astype(x.dtype).reshape(b, t, -1)), kv
 
@@ -146,8 +190,8 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, positions, inv_freq, kv, layer: jax.Array, attend: AttendFn):
-        attn, kv = self.self_attn(self.input_layernorm(x), positions, inv_freq, kv, layer, attend)
+    def __call__(self, x, positions, rope: Rope, kv, layer: jax.Array, attend: AttendFn):
+        attn, kv = self.self_attn(self.input_layernorm(x), positions, rope, kv, layer, attend)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
@@ -191,14 +235,14 @@ class LlamaForCausalLM(nnx.Module):
 
         Returns (hidden [B, T, hidden_size] in the model dtype, kv).
         """
-        inv_freq = rope_inv_freq(self.config)
+        rope = rope_tables(self.config)
         x = self.embed_tokens(tokens)
         layer_def, layer_params = nnx.split(self.layers)
 
         def one_layer(carry, per_layer):
             x, kv = carry
             params, index = per_layer
-            return nnx.merge(layer_def, params)(x, positions, inv_freq, kv, index, attend), None
+            return nnx.merge(layer_def, params)(x, positions, rope, kv, index, attend), None
 
         indices = jnp.arange(self.config.num_layers, dtype=jnp.int32)
         (x, kv), _ = jax.lax.scan(one_layer, (x, kv), (layer_params, indices))

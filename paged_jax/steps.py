@@ -212,7 +212,7 @@ def validate_prompt(
 
     The sequence will hold ``start_len + len(tokens) + max_new_tokens`` tokens; that must
     fit both the cache row (``max_blocks_per_seq * block_size``) and the model
-    (``max_seq_len``: ``max_position_embeddings``, or the sliding window if smaller).
+    (``max_seq_len``: ``max_position_embeddings`` stretched by RoPE scaling, or the sliding window if smaller).
     Every id must lie in ``[0, vocab_size)``.
 
     Raises ValueError naming the offending numbers.
@@ -232,11 +232,13 @@ def validate_prompt(
             f"{cache_config.max_tokens_per_seq}"
         )
     if total > model_config.max_seq_len:
-        limit = (
-            f"max_position_embeddings = {model_config.max_position_embeddings}"
-            if model_config.max_seq_len == model_config.max_position_embeddings
-            else f"sliding_window = {model_config.sliding_window} (sliding-window attention is not implemented)"
-        )
+        if model_config.max_seq_len == model_config.max_position_embeddings:
+            limit = f"max_position_embeddings = {model_config.max_position_embeddings}"
+        elif model_config.max_seq_len == model_config.max_context:
+            limit = (f"context of {model_config.max_context} ({model_config.rope_scaling.rope_type} RoPE scaling "
+                     f"by {model_config.rope_scaling.factor:g})")
+        else:
+            limit = f"sliding_window = {model_config.sliding_window} (sliding-window attention is not implemented)"
         raise ValueError(f"sequence of {total} tokens ({what}) exceeds the model's {limit}")
     bad = np.flatnonzero((ids < 0) | (ids >= model_config.vocab_size))
     if bad.size:

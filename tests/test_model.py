@@ -168,3 +168,20 @@ def test_contiguous_cache_decoding_equals_dense():
         pad = np.zeros((b, t), np.int32)
         pad[:, 0] = nxt
         logits, kv = step(params, kv, pad, lengths, np.ones(b, np.int32))
+
+
+def test_rope_scaling_stretches_the_context_as_vllm_derives_it():
+    from paged_jax.steps import validate_prompt
+
+    base = CFG.replace(max_position_embeddings=64)
+    assert base.max_seq_len == 64
+    linear = base.replace(rope_scaling=RopeScaling(2.0, rope_type="linear"))
+    yarn = base.replace(rope_scaling=RopeScaling(4.0, original_max_position_embeddings=32, rope_type="yarn"))
+    llama3 = base.replace(rope_scaling=RopeScaling(8.0, 1.0, 4.0, 16))  # states its extended length itself
+    assert (linear.max_seq_len, yarn.max_seq_len, llama3.max_seq_len) == (128, 128, 64)
+    assert yarn.replace(sliding_window=100).max_seq_len == 100
+    validate_prompt([1] * 100, model_config=yarn, max_new_tokens=28)
+    with pytest.raises(ValueError, match=r"exceeds the model's context of 128 \(yarn RoPE scaling by 4\)"):
+        validate_prompt([1] * 100, model_config=yarn, max_new_tokens=29)
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings = 64"):
+        validate_prompt([1] * 60, model_config=llama3, max_new_tokens=5)

@@ -104,7 +104,8 @@ class ModelConfig:
         head_dim: sizes; num_heads must be a multiple of num_kv_heads (MHA/GQA/MQA).
       rope_theta: RoPE base. rope_scaling: ``RopeScaling`` (llama3, linear, yarn) or None.
       rms_norm_eps: RMSNorm epsilon.
-      max_position_embeddings: longest sequence the model accepts.
+      max_position_embeddings: the checkpoint's value; the longest sequence accepted is
+        ``max_seq_len`` (stretched by linear or yarn RoPE scaling, as vLLM does).
       sliding_window: Mistral/Qwen2 sliding-window size, or None. Sliding-window
         attention is not implemented: sequences are capped at this length
         (``max_seq_len``), where it is exact full attention.
@@ -160,11 +161,25 @@ class ModelConfig:
         return float_dtype(self.dtype)
 
     @property
+    def max_context(self) -> int:
+        """The context the checkpoint is meant for, derived as vLLM derives it: RoPE scaling
+        that stretches positions extends ``max_position_embeddings`` (linear: times
+        ``factor``; yarn: ``original_max_position_embeddings`` times ``factor``); llama3
+        checkpoints already state their extended length."""
+        s = self.rope_scaling
+        if s is not None and s.rope_type == "linear":
+            return int(self.max_position_embeddings * s.factor)
+        if s is not None and s.rope_type == "yarn":
+            return int(s.original_max_position_embeddings * s.factor)
+        return self.max_position_embeddings
+
+    @property
     def max_seq_len(self) -> int:
-        """Longest sequence this implementation runs exactly (positions 0..max_seq_len-1)."""
+        """Longest sequence this implementation runs exactly (positions 0..max_seq_len-1):
+        ``max_context``, or the sliding window if smaller."""
         if self.sliding_window is None:
-            return self.max_position_embeddings
-        return min(self.max_position_embeddings, self.sliding_window)
+            return self.max_context
+        return min(self.max_context, self.sliding_window)
 
     def kv_bytes_per_token(self, dtype: Any = None) -> int:
         """Bytes of K + V per token over all layers: 2 * L * Hkv * D * itemsize.

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.common import machine_info, write_json
+from experiments.common import machine_info, print_headline, pyplot, write_json
 from paged_jax import workloads
 from paged_jax.cache import (
     NO_SEQ,
@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> dict:
         "batched_vs_sequential": alloc_rows, "adjacency": adj_rows, "attention": attn_rows,
         "headline": headline, "wall_s": time.perf_counter() - t_start,
     }
-    print("headline:", {k: round(v, 3) if isinstance(v, float) else v for k, v in headline.items()})
+    print_headline(headline)
     write_json(args.out, "allocation_order", result)
     _plot(args.out, result)
     return result
@@ -439,10 +439,7 @@ def main(argv: list[str] | None = None) -> dict:
 def _plot(out_dir: str, result: dict) -> None:
     import os
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 3.6))
     rows = result["batched_vs_sequential"]

@@ -33,7 +33,7 @@ import argparse
 import numpy as np
 
 from experiments import sharing
-from experiments.common import machine_info, write_json
+from experiments.common import machine_info, print_headline, pyplot, write_json
 
 WIDTHS = (2, 4, 8)
 QUICK_WIDTHS = (2, 4)
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
         "min_saving_prefix_over_15pct": min(r["saving"] for r in over15),
         "beam4_throughput_vs_unshared": budget["ratio"],
     }
-    print("headline:", {k: round(v, 3) for k, v in headline.items()})
+    print_headline(headline)
     result = {"study": "beam", "machine": machine_info(), "quick": quick, "length_contexts": contexts,
               "num_requests": num_requests, "memory_by_width": by_width, "prefix_sweep": sweep,
               "step_cost": cost, "equal_budget": budget, "headline": headline}
@@ -231,10 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
 def _plot(out_dir: str, by_width: list[dict], sweep: list[dict]) -> None:
     import os
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2))
     for name in ("alpaca_like", "sharegpt_like"):

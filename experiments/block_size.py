@@ -63,7 +63,7 @@ import time
 
 import numpy as np
 
-from experiments.common import machine_info, write_json
+from experiments.common import machine_info, pyplot, write_json
 from experiments.throughput import run_interleaved
 
 BLOCK_SIZES = tuple(2**i for i in range(9))  # 1 .. 256
@@ -376,10 +376,7 @@ def engine_rows(block_sizes, max_model_len: int, num_requests: int, passes: int)
 
 
 def plot(path: str, result: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(2, 3, figsize=(14, 7.5))
     ax = axes[0, 0]

@@ -47,3 +47,18 @@ def write_json(out_dir: str, name: str, result: dict) -> str:
         json.dump(result, f, indent=2, default=float)
     print(f"wrote {path}")
     return path
+
+
+def print_headline(headline: dict, digits: int = 3) -> None:
+    """One line of a study's headline, floats rounded to ``digits``."""
+    print("headline:", {k: round(v, digits) if isinstance(v, float) else v for k, v in headline.items()})
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (studies run without a screen)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

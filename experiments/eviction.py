@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from experiments import sharing
-from experiments.common import machine_info, write_json
+from experiments.common import machine_info, print_headline, pyplot, write_json
 
 POOL_FRACTIONS = (0.15, 0.25, 0.4, 0.6, 1.0)
 QUICK_POOL_FRACTIONS = (0.25, 1.0)
@@ -101,10 +101,7 @@ def working_set(trace: Trace) -> tuple[int, int]:
 
 
 def plot(path: str, rows: list[dict], working: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     for policy in sorted({r["policy"] for r in rows}):
@@ -153,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
         tight = min(constrained)
         headline["hit_rate_spread_at_smallest_pool"] = float(
             np.ptp([r["hit_rate"] for r in rows if r["num_blocks"] == tight]))
-    print("headline:", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in headline.items()})
+    print_headline(headline)
     result = {"study": "eviction", "machine": machine_info(), "quick": quick, "block_size": bs,
               "num_requests": sum(map(len, trace.waves)), "num_prefixes": len(trace.prefixes),
               "working_set_blocks": working, "pool_sizes": sizes, "runs": rows, "headline": headline}

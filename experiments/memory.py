@@ -57,7 +57,7 @@ import time
 
 import numpy as np
 
-from experiments.common import machine_info, write_json
+from experiments.common import machine_info, pyplot, write_json
 from experiments.throughput import BLOCK_SIZE, make_engine, run_interleaved
 
 STATIC_SEQS = 8  # the pool: the static engine fits this many max_model_len reservations
@@ -230,10 +230,7 @@ def print_table(runs: dict) -> None:
 
 
 def plot(path: str, runs: dict, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(len(runs), 2, figsize=(11, 3.2 * len(runs)), squeeze=False)
     colors = {"static": "tab:orange", "paged": "tab:blue", "paged_at_static_batch": "tab:green"}

@@ -29,7 +29,7 @@ import argparse
 import numpy as np
 
 from experiments import sharing
-from experiments.common import machine_info, write_json
+from experiments.common import machine_info, print_headline, pyplot, write_json
 
 TURNS = 5
 QUICK = (2, 3)  # conversations, turns
@@ -85,10 +85,7 @@ def run(num_conversations: int, turns: int, caching: bool, seed: int = 0) -> lis
 
 
 def plot(path: str, on: list[dict], off: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     turns = [r["turn"] for r in on]
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
@@ -151,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
         "prefill_over_new_tokens": sum(r["prefill_tokens"] for r in on) / sum(r["new_tokens"] for r in on),
         "prefill_on_over_off": sum(r["prefill_tokens"] for r in on) / sum(r["prefill_tokens"] for r in off),
     }
-    print("headline:", {k: round(v, 3) for k, v in headline.items()})
+    print_headline(headline)
     result = {"study": "multiturn", "machine": machine_info(), "quick": quick, "block_size": sharing.BLOCK_SIZE,
               "conversations": conversations, "turns": turns, "cache_on": on, "cache_off": off, "headline": headline}
     write_json(args.out, "multiturn", result)

@@ -23,7 +23,7 @@ import argparse
 import numpy as np
 
 from experiments import sharing
-from experiments.common import machine_info, write_json
+from experiments.common import machine_info, print_headline, pyplot, write_json
 
 NS = (2, 4, 8)
 QUICK_NS = (2, 4)
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['saving']:>7.3f} {r['tokens_per_s']:>7.1f} {r['throughput_ratio_vs_separate']:>11.2f}")
     n4 = next(r for r in rows if r["workload"] == "alpaca_like" and r["n"] == 4)
     headline = {"n4_memory_saving": n4["saving"], "n4_throughput_vs_separate": n4["throughput_ratio_vs_separate"]}
-    print("headline:", {k: round(v, 3) for k, v in headline.items()})
+    print_headline(headline)
     result = {"study": "parallel", "machine": machine_info(), "quick": quick, "length_contexts": contexts,
               "num_requests": num_requests, "rows": rows, "headline": headline}
     write_json(args.out, "parallel", result)
@@ -92,10 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
 def _plot(out_dir: str, rows: list[dict]) -> None:
     import os
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(4.5, 3.2))
     for name in ("alpaca_like", "sharegpt_like"):

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import decode_step
-from experiments.common import machine_info, write_json
+from experiments.common import machine_info, print_headline, pyplot, write_json
 from paged_jax.buckets import MIN_PREFILL_WIDTH, bucket
 from paged_jax.cache import NO_BLOCK, init_state, open_sequences, raise_for_status, release, restore_rows
 from paged_jax.compilation_cache import enable_compilation_cache
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "statistic": "median", "note": "shared 2-core CPU machine: timings +-20% per cell"},
         "costs": costs, "unconstrained": unconstrained, "pressure": pressure, "headline": headline, "wall_s": time.perf_counter() - t_start,
     }
-    print("headline:", {k: round(v, 3) if isinstance(v, float) else v for k, v in headline.items()})
+    print_headline(headline)
     write_json(args.out, "preemption", result)
     _plot(args.out, result)
     return result
@@ -318,10 +318,7 @@ def main(argv: list[str] | None = None) -> dict:
 def _plot(out_dir: str, result: dict) -> None:
     import os
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     costs = result["costs"]

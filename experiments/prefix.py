@@ -33,7 +33,7 @@ import time
 import numpy as np
 
 from experiments import sharing
-from experiments.common import machine_info, write_json
+from experiments.common import machine_info, print_headline, pyplot, write_json
 
 SYSTEM_LENS = (256, 1024)
 QUICK = dict(num_requests=16, system_lens=(64, 256), repeats=2)
@@ -161,10 +161,7 @@ def recompute(model, num_requests: int, max_model_len: int, budget_fraction: flo
 
 
 def plot(path: str, rows: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
     x = np.arange(len(rows))
@@ -214,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
     headline = {"prefill_tokens_saved": longest["prefill_tokens_saved"], "hit_ttft_over_cold": overhead["ratio"],
                 "recompute_tokens_saved": pressure["recompute_tokens_saved"],
                 "ttft_on_over_off": longest["ttft_ratio"], "throughput_on_over_off": longest["throughput_ratio"]}
-    print("headline:", {k: round(v, 3) for k, v in headline.items()})
+    print_headline(headline)
     result = {"study": "prefix", "machine": machine_info(), "quick": quick, "block_size": sharing.BLOCK_SIZE,
               "max_num_seqs": MAX_NUM_SEQS, "shared_prompt": rows, "hit_overhead": overhead, "recompute": pressure,
               "headline": headline}

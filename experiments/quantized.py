@@ -49,7 +49,7 @@ import time
 
 import numpy as np
 
-from experiments.common import machine_info, write_json
+from experiments.common import machine_info, pyplot, write_json
 
 FORMATS = ("float32", "bfloat16", "int8", "int8_channel", "fp8_e4m3")
 QUANTIZED = ("int8", "int8_channel", "fp8_e4m3")
@@ -294,10 +294,7 @@ def throughput(quick: bool) -> dict:
 
 # ------------------------------------------------------------------------------ report
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     cap = result["capacity"]["1b-shape"]

@@ -47,7 +47,7 @@ import time
 
 import numpy as np
 
-from experiments.common import machine_info, write_json
+from experiments.common import machine_info, pyplot, write_json
 
 DEVICES = 8
 BLOCK_SIZE = 16
@@ -197,10 +197,7 @@ def headline(rows: list[dict]) -> dict:
 
 
 def plot(rows: list[dict], out_dir: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for name in dict.fromkeys(r["model"] for r in rows):

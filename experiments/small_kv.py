@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import decode_step
-from experiments.common import machine_info, write_json
+from experiments.common import machine_info, print_headline, pyplot, write_json
 from paged_jax.cache import (
     NO_BLOCK,
     append_slots,
@@ -440,7 +440,7 @@ def main(argv: list[str] | None = None) -> dict:
         "memory": memory, "engine": engine, "engine_outputs_identical": outputs_identical,
         "headline": headline, "wall_s": time.perf_counter() - t_start,
     }
-    print("headline:", {k: round(v, 4) if isinstance(v, float) else v for k, v in headline.items()})
+    print_headline(headline, digits=4)
     write_json(args.out, "small_kv", result)
     _plot(args.out, result)
     return result
@@ -455,10 +455,7 @@ def _describe(cfg: ModelConfig) -> dict:
 def _plot(out_dir: str, result: dict) -> None:
     import os
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
     a, b, c, d = axes

@@ -38,7 +38,7 @@ import os
 
 import numpy as np
 
-from experiments.common import machine_info, write_json
+from experiments.common import machine_info, print_headline, pyplot, write_json
 from experiments.throughput import study_model
 
 MAX_MODEL_LEN = 512
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
     draft_self = next(r for r in rows if r["batch"] == 1 and r["method"] == "draft_model:self")
     headline["draft_self_speedup_batch1"] = draft_self["speedup"]
     headline["all_outputs_identical"] = all(r["outputs_identical"] for r in rows)
-    print("headline:", {k: round(v, 3) if isinstance(v, float) else v for k, v in headline.items()})
+    print_headline(headline)
     for r in rows:
         del r["tokens"]
     result = {"study": "speculative", "machine": machine_info(), "quick": args.quick,
@@ -186,10 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def plot(path: str, rows: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for workload, style in (("copy", "-"), ("random", "--")):

@@ -66,7 +66,7 @@ import time
 
 import numpy as np
 
-from experiments.common import machine_info, write_json
+from experiments.common import machine_info, pyplot, write_json
 
 WORKLOADS = ("sharegpt_like", "alpaca_like", "fixed_length")
 MODELS = ("tiny", "small")
@@ -438,10 +438,7 @@ def plot_metric(rows: list[dict], metric: str, ax=None, axes: list[str] | None =
 
 def plot_all(rows: list[dict], out_dir: str, axes: list[str], title: str) -> list[str]:
     """DIR/sweep_<metric>.png for every plotted metric; returns the paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     paths = []
     for metric in PLOTTED:

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import decode_step
-from experiments.common import machine_info, write_json
+from experiments.common import machine_info, print_headline, pyplot, write_json
 from paged_jax import workloads
 from paged_jax.buckets import bucket, decode_buckets, decode_rows, multiples_of, pad_decode
 from paged_jax.cache import (
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> dict:
         "projected_compile_s_growing_to_max": growth,
         "headline": headline, "wall_s": time.perf_counter() - t_start,
     }
-    print("headline:", {k: round(v, 4) if isinstance(v, float) else v for k, v in headline.items()})
+    print_headline(headline, digits=4)
     write_json(args.out, "table_growth", result)
     _plot(args.out, result)
     return result
@@ -349,10 +349,7 @@ def main(argv: list[str] | None = None) -> dict:
 def _plot(out_dir: str, result: dict) -> None:
     import os
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 3.6))
     for impl in ("xla", "reference"):

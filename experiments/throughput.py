@@ -54,7 +54,7 @@ import time
 
 import numpy as np
 
-from experiments.common import machine_info, write_json
+from experiments.common import machine_info, pyplot, write_json
 
 BLOCK_SIZE = 16
 STATIC_SEQS = 8  # the budget: the static engine fits this many sequences
@@ -200,10 +200,7 @@ def ratios(results: dict) -> dict:
 
 def plot(path: str, results: dict, title: str) -> None:
     """Running batch and KV utilisation over (each engine's own) time."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     for kind, color in (("paged", "tab:blue"), ("static", "tab:orange")):

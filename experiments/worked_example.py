@@ -46,7 +46,7 @@ import time
 
 import numpy as np
 
-from experiments.common import machine_info, write_json
+from experiments.common import machine_info, pyplot, write_json
 
 BLOCK_SIZE = 16
 NUM_REQUESTS = 8
@@ -226,10 +226,7 @@ def comparison(main_run: dict) -> list[dict]:
 
 
 def plot(path: str, run: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     trace = run["trace"]
     steps = [r["step"] for r in trace]

@@ -42,7 +42,7 @@ from flax import nnx
 
 from paged_jax.attention import dense_causal_attention, dispatch
 from paged_jax.kv.pages import KVPages, write_tokens
-from paged_jax.model.config import ModelConfig
+from paged_jax.model.config import ModelConfig, RopeScaling
 
 AttendFn = Callable[[Any, jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
 
@@ -84,7 +84,7 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     return np.where(medium, blended, scaled).astype(np.float32)
 
 
-def _yarn_inv_freq(s, pos_freqs: np.ndarray, dim: int, base: float) -> np.ndarray:
+def _yarn_inv_freq(s: RopeScaling, pos_freqs: np.ndarray, dim: int, base: float) -> np.ndarray:
     """YaRN's NTK-by-parts frequencies: original (extrapolated) below the dimension that
     turns ``beta_fast`` times over the original context, interpolated (/ factor) above the
     one that turns ``beta_slow`` times, a linear ramp between (float32, as HF)."""

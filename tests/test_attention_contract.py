@@ -110,10 +110,12 @@ def layer_case(case: Case, layer: int) -> Case:
 
 oracle = jax.jit(reference.paged_attention, static_argnames=("layer", "scale"))
 
-IMPLS = {
-    "reference": reference.paged_attention,
-    "xla": dispatch.IMPLS["xla"],  # the blocked implementation, or on XLA:CPU in bf16 the reference
-    "pallas_interpret": dispatch.IMPLS["pallas_interpret"],
+# Every registered implementation that obeys the contract and runs on this backend (a new
+# ``dispatch.register`` entry joins these tests by being registered), plus tuning variants
+# of the blocked loops that exercise its edge paths.
+REGISTERED = [name for name, entry in dispatch.IMPLS.items()
+              if entry.obeys_contract and entry.runs_on(jax.default_backend())]
+IMPLS = {name: dispatch.IMPLS[name].fn for name in REGISTERED} | {
     "blocked": blocked.paged_attention,
     "blocked-tile1-chunk1": functools.partial(
         blocked.paged_attention, query_tile=1, blocks_per_chunk=1, tail_blocks=1
@@ -128,8 +130,17 @@ IMPLS = {
 # fp32 "xla" is the blocked implementation with default tuning, so "blocked" joins only
 # where "xla" may be something else (bf16).
 FP32_IMPLS = [name for name in IMPLS if name != "blocked"]
-BF16_IMPLS = ["reference", "xla", "pallas_interpret", "blocked"]
-LAYER_IMPLS = ["reference", "xla", "pallas_interpret"]
+BF16_IMPLS = [*REGISTERED, "blocked"]
+LAYER_IMPLS = REGISTERED
+QUANT_IMPLS = [name for name in REGISTERED if dispatch.IMPLS[name].reads_quantized and name != "reference"]
+
+
+def skip_untileable(impl: str, cfg) -> None:
+    """Skip a registered entry on shapes it says it cannot tile (its ``tiling_problem``)."""
+    entry = dispatch.IMPLS.get(impl)
+    why = entry and entry.problem(head_dim=D, block_size=cfg.bs, num_heads=cfg.hq, num_kv_heads=cfg.hkv)
+    if why:
+        pytest.skip(why)
 
 
 @functools.cache
@@ -186,6 +197,7 @@ def test_oracle_matches_brute_force(cfg):
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
 @pytest.mark.parametrize("impl", FP32_IMPLS)
 def test_fp32_matches_oracle(impl, cfg):
+    skip_untileable(impl, cfg)
     for seed in (0, 1):
         case = make_case(cfg, seed, fork=bool(seed))
         check_output(jitted(impl)(*case), case, oracle(*case), rtol=1e-5, atol=1e-5)
@@ -195,6 +207,7 @@ def test_fp32_matches_oracle(impl, cfg):
 @pytest.mark.parametrize("impl", BF16_IMPLS)
 def test_bf16_close_to_oracle(impl, cfg):
     """bf16 q and pages; the oracle computes in fp32 from the same bf16 values."""
+    skip_untileable(impl, cfg)
     case = make_case(cfg, 2, fork=True, dtype=jnp.bfloat16)
     check_output(jitted(impl)(*case), case, oracle(*case), rtol=2e-2, atol=3e-2)
 
@@ -206,6 +219,7 @@ def test_layer_of_stacked_pages(impl, cfg, how):
     """5-D pages [L, Hkv, N, bs, D] with a Python-int layer, a traced layer (a jit
     argument), and a traced layer under ``lax.scan`` over every layer (as a model scanning
     its layers): each layer's output is the oracle's on that layer's 4-D pages."""
+    skip_untileable(impl, cfg)
     case = make_case(cfg, 3, fork=True, layers=LAYERS)
     fn = IMPLS[impl]
     if how == "int":  # also a non-default scale, which no other case uses
@@ -271,9 +285,10 @@ def test_quantized_oracle_matches_brute_force_on_the_dequantised_values(name):
 
 @pytest.mark.parametrize("name", quant.QUANTIZED_KV_CACHE_DTYPES)
 @pytest.mark.parametrize("cfg", [GQA_DECODE, GQA_CHUNK], ids=lambda c: c.name)
-@pytest.mark.parametrize("impl", ["xla", "pallas_interpret", "blocked-one-group"])
+@pytest.mark.parametrize("impl", [*QUANT_IMPLS, "blocked-one-group"])
 def test_quantized_pages_match_oracle(impl, cfg, name):
     """Every implementation reads values x scales: 5-D quantised pages, a traced layer."""
+    skip_untileable(impl, cfg)
     qcase, _ = quantized_case(make_case(cfg, 5, fork=True, layers=2), name)
     run = jax.jit(lambda *a: IMPLS[impl](*a[:5], layer=a[5]))
     want = oracle(*qcase, layer=1)
@@ -285,7 +300,7 @@ def test_quantized_pages_match_oracle(impl, cfg, name):
 
 def test_pages_without_their_scales_are_refused():
     qcase, _ = quantized_case(make_case(GQA_DECODE, 6, fork=False), "int8")
-    for impl in ("reference", "xla", "pallas_interpret"):
+    for impl in [name for name in REGISTERED if dispatch.IMPLS[name].reads_quantized]:
         with pytest.raises(ValueError, match="need scales"):
             IMPLS[impl](*qcase._replace(pages=KVPages(qcase.pages.k, qcase.pages.v)))
         with pytest.raises(ValueError, match="do not fit"):
@@ -352,7 +367,7 @@ def _eval_shape(impl: str, a: dict):
         (dict(q_lens=S((1,), jnp.int32)), "q_lens"),
     ],
 )
-@pytest.mark.parametrize("impl", ["reference", "xla", "pallas_interpret", "blocked"])
+@pytest.mark.parametrize("impl", [*REGISTERED, "blocked"])
 def test_every_implementation_validates_the_contract(impl, changes, match):
     with pytest.raises(ValueError, match=match):
         _eval_shape(impl, _abstract_case(**changes))

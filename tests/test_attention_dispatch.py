@@ -73,7 +73,6 @@ def test_an_impl_that_knows_no_scales_is_refused_quantised_pages(monkeypatch):
     from paged_jax.kv import KVPages, quant
 
     monkeypatch.setattr(dispatch, "IMPLS", dict(dispatch.IMPLS))
-    monkeypatch.setattr(dispatch, "READS_QUANTIZED", set(dispatch.READS_QUANTIZED))
     q, pages, tables, lengths, q_lens = _case(4)
     fmt = quant.kv_format("int8")
     (k, ks), (v, vs) = quant.quantize_blocks(fmt, pages.k), quant.quantize_blocks(fmt, pages.v)
@@ -105,7 +104,7 @@ def test_xla_is_the_length_aware_implementation_in_every_dtype():
     got = dispatch.paged_attention(*case, impl="xla")
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(blocked.paged_attention(*case), np.float32))
     for dtype in (jnp.float32, jnp.bfloat16):
-        text = jax.jit(dispatch.IMPLS["xla"]).lower(*_case(4, dtype=dtype)).as_text()
+        text = jax.jit(dispatch.IMPLS["xla"].fn).lower(*_case(4, dtype=dtype)).as_text()
         assert "stablehlo.while" in text
 
 

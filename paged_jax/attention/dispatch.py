@@ -1,31 +1,33 @@
-"""One entry point for paged attention, whichever implementation runs it.
+"""One entry point for paged attention, whichever implementation runs it: a registry.
 
-``IMPLS`` maps a name to an implementation of the contract (``contract``):
+``IMPLS`` maps a name to an ``AttentionImpl`` record: the function (the contract of
+``contract``), whether it reads quantised pages, which shapes it can tile, which backend it
+needs, and where ``"auto"`` prefers it. The built-in entries:
 
 - ``"reference"``: ``reference.paged_attention`` (plain XLA, gathers the whole table: the
   oracle every other implementation is tested against).
 - ``"xla"``: ``blocked.paged_attention`` (plain XLA, length-aware: reads only the blocks
   rows hold; any backend; the default off the GPU), in every dtype: sub-fp32 pages are
-  gathered as same-width integers (``reference.gather_blocks``), so XLA:CPU no longer
-  converts the whole pool to f32 outside the loops on every call. Measured on the
-  throughput study's model in bf16 (2-core CPU, decode, batch 8-32, context 159-318): the
-  blocked and the reference implementations within 10% of each other, both dominated by
-  XLA:CPU's bf16 matmuls.
+  gathered as same-width integers (``reference.gather_blocks``), so XLA:CPU does not
+  convert the whole pool to f32 outside the loops on every call.
 - ``"pallas"``: ``pallas_kernels`` compiled for the GPU (``pallas.paged_attention``).
 - ``"pallas_interpret"``: the same kernels in Pallas interpret mode (any backend; tests).
 
-``"auto"`` is not an implementation but a choice: ``"pallas"`` on GPU, ``"xla"``
-elsewhere. On GPU it falls back to ``"xla"`` with a warning if ``pallas_kernels`` cannot be
-imported, or if the kernel refuses the call's shapes with a ValueError (e.g. a head_dim
-or block_size it does not tile); an explicit ``"pallas"`` raises instead.
+``"auto"`` is not an implementation but a choice: the first registered entry that names the
+current backend in ``auto_on`` and is ``available`` (``"pallas"`` on GPU), else ``"xla"``.
+It falls back to ``"xla"`` with a warning when that entry's ``available`` says why not, or
+when the kernel refuses the call's shapes with a ValueError; an explicit name raises instead.
 
-``register_impl`` adds a name (a study's variant or ablation, e.g.
-``experiments/ablations.py``). The choice is made when the caller is traced (a
-Python-level switch), so it costs nothing per call.
+``register`` adds an entry (a study's variant or ablation: ``experiments/ablations.py``; a new
+kernel). The contract suite (``tests/test_attention_contract.py``) runs every entry that
+obeys the contract and runs on this backend, so a registered implementation is tested
+without editing a list (``docs/EXTENDING.md``). The choice is made when the caller is traced
+(a Python-level switch), so it costs nothing per call.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
@@ -37,30 +39,97 @@ from paged_jax.attention import blocked, contract, pallas, reference
 AUTO = "auto"
 
 
-IMPLS: dict[str, Callable[..., jax.Array]] = {
-    "reference": reference.paged_attention,
-    "xla": blocked.paged_attention,
-    "pallas": functools.partial(pallas.paged_attention, interpret=False),
-    "pallas_interpret": functools.partial(pallas.paged_attention, interpret=True),
-}
+@dataclasses.dataclass(frozen=True)
+class AttentionImpl:
+    """One implementation of the attention contract.
+
+    Attributes:
+      name: what ``impl=`` / ``LLM(attention_impl=...)`` calls it.
+      fn: ``fn(q, pages, block_tables, lengths, q_lens, *, layer=None, scale=None)``
+        (``contract``'s shapes and rules).
+      reads_quantized: ``fn`` dequantises int8 / float8 pages with their scales
+        (``kv.quant``); otherwise quantised pages are refused it, naming both.
+      tiling_problem: ``(head_dim, block_size, num_heads, num_kv_heads) -> str | None``:
+        why a model of this shape cannot run (None if it can), checked before weights load.
+      needs_backend: the JAX backend ``fn`` runs on ("gpu"), or None for any.
+      auto_on: backends on which ``"auto"`` picks this entry (first registered wins).
+      available: ``() -> str | None``: why it cannot run in this process (a missing
+        package), or None.
+      obeys_contract: False for a deliberate stand-in (an ablation that returns zeros):
+        the contract suite then leaves it out.
+    """
+
+    name: str
+    fn: contract.AttentionFn
+    reads_quantized: bool = False
+    tiling_problem: Callable[..., str | None] | None = None
+    needs_backend: str | None = None
+    auto_on: tuple[str, ...] = ()
+    available: Callable[[], str | None] | None = None
+    obeys_contract: bool = True
+
+    def problem(self, *, head_dim: int, block_size: int, num_heads: int, num_kv_heads: int) -> str | None:
+        """Why this entry cannot run a model of this shape here, or None."""
+        if self.available is not None and (missing := self.available()) is not None:
+            return f"attention impl {self.name!r}: {missing}"
+        if self.tiling_problem is None:
+            return None
+        why = self.tiling_problem(head_dim=head_dim, block_size=block_size, num_heads=num_heads,
+                                  num_kv_heads=num_kv_heads)
+        return None if why is None else f"attention impl {self.name!r}: {why}"
+
+    def runs_on(self, backend: str) -> bool:
+        return self.needs_backend is None or self.needs_backend == backend
 
 
-# Implementations that dequantise int8 / float8 pages with their scales (``kv.quant``).
-READS_QUANTIZED: set[str] = {"reference", "xla", "pallas", "pallas_interpret"}
+def _pallas_missing() -> str | None:
+    try:
+        pallas.kernels()
+    except ImportError as e:
+        return f"needs the pallas_kernels package ({e.__cause__ or e})"
+    return None
 
 
-def register_impl(name: str, fn: contract.AttentionFn, *, reads_quantized: bool = False) -> None:
-    """Make ``fn`` (the contract's signature) available as ``impl=name``; replaces an
-    earlier registration of the same name. ``reads_quantized``: ``fn`` reads quantised
-    pages (values x ``k_scale`` / ``v_scale``); otherwise it is refused them, so an
-    implementation that knows nothing of scales never reads int8 bytes as keys."""
-    if name == AUTO:
+def _pallas_tiling(*, head_dim: int, block_size: int, num_heads: int, num_kv_heads: int) -> str | None:
+    from pallas_kernels import common
+
+    if head_dim not in common.SUPPORTED_HEAD_DIMS:
+        return f"head_dim={head_dim} is not supported (one of {common.SUPPORTED_HEAD_DIMS})"
+    if block_size not in common.SUPPORTED_BLOCK_SIZES:
+        return f"block_size={block_size} is not supported (one of {common.SUPPORTED_BLOCK_SIZES})"
+    if num_heads // num_kv_heads > common.MAX_GROUP:
+        return f"{num_heads // num_kv_heads} query heads per kv head is more than the kernels' {common.MAX_GROUP}"
+    return None
+
+
+IMPLS: dict[str, AttentionImpl] = {}
+
+
+def register(impl: AttentionImpl) -> AttentionImpl:
+    """Make ``impl`` available as ``impl=impl.name``; replaces an earlier entry of that name."""
+    if impl.name == AUTO:
         raise ValueError(f"{AUTO!r} is the automatic choice, not a name an implementation can take")
-    IMPLS[name] = fn
-    if reads_quantized:
-        READS_QUANTIZED.add(name)
-    else:
-        READS_QUANTIZED.discard(name)
+    IMPLS[impl.name] = impl
+    return impl
+
+
+def register_impl(name: str, fn: contract.AttentionFn, *, reads_quantized: bool = False, **fields) -> AttentionImpl:
+    """``register(AttentionImpl(name, fn, reads_quantized, **fields))``: the short form."""
+    return register(AttentionImpl(name, fn, reads_quantized=reads_quantized, **fields))
+
+
+register(AttentionImpl("reference", reference.paged_attention, reads_quantized=True))
+register(AttentionImpl("xla", blocked.paged_attention, reads_quantized=True))
+register(AttentionImpl("pallas", functools.partial(pallas.paged_attention, interpret=False), reads_quantized=True,
+                       tiling_problem=_pallas_tiling, needs_backend="gpu", auto_on=("gpu",),
+                       available=_pallas_missing))
+register(AttentionImpl("pallas_interpret", functools.partial(pallas.paged_attention, interpret=True),
+                       reads_quantized=True, tiling_problem=_pallas_tiling, available=_pallas_missing))
+
+
+def get(name: str) -> AttentionImpl:
+    """The entry ``name`` names (``"auto"`` resolved here). ValueError for an unknown name."""
+    return IMPLS[resolve_impl(name)]
 
 
 def check_reads(impl: str, kv_cache_dtype: str) -> None:
@@ -69,51 +138,41 @@ def check_reads(impl: str, kv_cache_dtype: str) -> None:
     from paged_jax.kv.quant import kv_format
 
     fmt = kv_format(kv_cache_dtype)
-    names = {"pallas", "xla"} if impl == AUTO else {resolve_impl(impl)}
-    bad = sorted(n for n in names if fmt.quantized and n not in READS_QUANTIZED)
+    if impl == AUTO:
+        names = {"xla"} | {n for n, r in IMPLS.items() if r.auto_on}
+    else:
+        names = {resolve_impl(impl)}
+    bad = sorted(n for n in names if fmt.quantized and not IMPLS[n].reads_quantized)
     if bad:
+        readers = sorted(n for n, r in IMPLS.items() if r.reads_quantized)
         raise ValueError(
             f"attention impl {bad[0]!r} cannot read kv_cache_dtype={fmt.name!r} pages (it was registered "
-            f"without reads_quantized=True); use one of {sorted(READS_QUANTIZED)} or kv_cache_dtype='auto'"
+            f"without reads_quantized=True); use one of {readers} or kv_cache_dtype='auto'"
         )
 
 
 def tiling_problem(impl: str, *, head_dim: int, block_size: int, num_heads: int, num_kv_heads: int) -> str | None:
-    """Why the Pallas kernels cannot run a model of this shape (None if they can, or if
-    ``impl`` is not a Pallas one): checked before any weight loads, not at the first
-    step's trace."""
-    if impl not in ("pallas", "pallas_interpret"):
-        return None
-    try:
-        from pallas_kernels import common
-    except ImportError as e:
-        return f"attention impl {impl!r} needs the pallas_kernels package ({e})"
-    if head_dim not in common.SUPPORTED_HEAD_DIMS:
-        return f"attention impl {impl!r}: head_dim={head_dim} is not supported (one of {common.SUPPORTED_HEAD_DIMS})"
-    if block_size not in common.SUPPORTED_BLOCK_SIZES:
-        return (f"attention impl {impl!r}: block_size={block_size} is not supported "
-                f"(one of {common.SUPPORTED_BLOCK_SIZES})")
-    if num_heads // num_kv_heads > common.MAX_GROUP:
-        return (f"attention impl {impl!r}: {num_heads // num_kv_heads} query heads per kv head is more than "
-                f"the kernels' {common.MAX_GROUP}")
-    return None
+    """Why ``impl`` cannot run a model of this shape (None if it can): checked before any
+    weight loads, not at the first step's trace."""
+    return IMPLS[resolve_impl(impl)].problem(head_dim=head_dim, block_size=block_size, num_heads=num_heads,
+                                             num_kv_heads=num_kv_heads)
 
 
 def resolve_impl(impl: str) -> str:
-    """The name of the implementation ``impl`` selects here: itself, or for ``"auto"``
-    "pallas" on GPU (if ``pallas_kernels`` imports) or "xla". ValueError for an unknown name."""
+    """The name of the implementation ``impl`` selects here: itself, or for ``"auto"`` the
+    first available entry preferred on this backend, else "xla". ValueError for an unknown name."""
     if impl != AUTO and impl not in IMPLS:
         raise ValueError(f"attention impl={impl!r}: choose one of {(AUTO, *IMPLS)}")
     if impl != AUTO:
         return impl
-    if jax.default_backend() != "gpu":
-        return "xla"
-    try:
-        pallas.kernels()
-    except ImportError as e:
-        warnings.warn(f"attention impl 'auto' on GPU falls back to 'xla': {e}", stacklevel=2)
-        return "xla"
-    return "pallas"
+    backend = jax.default_backend()
+    for name, entry in IMPLS.items():
+        if backend in entry.auto_on:
+            missing = entry.available() if entry.available is not None else None
+            if missing is None:
+                return name
+            warnings.warn(f"attention impl 'auto' on {backend} falls back to 'xla': {missing}", stacklevel=2)
+    return "xla"
 
 
 def paged_attention(
@@ -139,9 +198,9 @@ def paged_attention(
         check_reads(name, pages.kv_format)
     args = (q, pages, block_tables, lengths, q_lens)
     if impl != AUTO or name == "xla":
-        return IMPLS[name](*args, layer=layer, scale=scale)
+        return IMPLS[name].fn(*args, layer=layer, scale=scale)
     try:
-        return IMPLS[name](*args, layer=layer, scale=scale)
+        return IMPLS[name].fn(*args, layer=layer, scale=scale)
     except ValueError as e:  # the arguments passed the contract: the kernel refused them
         warnings.warn(f"attention impl 'auto': {name!r} refused this call ({e}); using 'xla'", stacklevel=2)
-        return IMPLS["xla"](*args, layer=layer, scale=scale)
+        return IMPLS["xla"].fn(*args, layer=layer, scale=scale)

@@ -38,8 +38,8 @@ from paged_jax.config import CacheConfig
 from paged_jax.kv.pages import KVPages, copy_blocks, init_pages
 from paged_jax.model.config import ModelConfig
 from paged_jax.model.llama import (
-    LlamaForCausalLM,
     PagedContext,
+    abstract_model,
     forward,
     logits_from_hidden,
     make_paged_attend,
@@ -68,8 +68,7 @@ class StepFns(NamedTuple):
 
 def abstract_graphdef(model_config: ModelConfig) -> nnx.GraphDef:
     """The ``nnx.GraphDef`` of ``model_config``'s model, built without allocating weights."""
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(model_config, rngs=nnx.Rngs(0)))
-    return nnx.split(abstract)[0]
+    return nnx.split(abstract_model(model_config))[0]
 
 
 class Prepared(NamedTuple):
@@ -140,8 +139,8 @@ def make_model_step(model_config: ModelConfig, attention_impl: str = "auto", mak
     whatever it adds). Cached: the same (config, impl) gives the same function object, so
     jit caches keyed on it are shared by every engine with that model.
 
-    ``params`` passed to it must be ``nnx.split``'s state of this config's
-    ``LlamaForCausalLM`` (e.g. from ``load_model``). ``attention_impl``: a name in
+    ``params`` passed to it must be ``nnx.split``'s state of this config's family's
+    module (e.g. from ``load_model``). ``attention_impl``: a name in
     ``attention.dispatch`` ("auto" is kept, so the per-call fallback still works).
     ``make_attend``: ``(ctx, *, impl) -> AttendFn``, the layers' cache backend, and
     ``copy``: the copy-on-write block copy; default ``make_paged_attend`` and

@@ -14,7 +14,7 @@ from engine_fakes import fake_backend
 from paged_jax import LLM, SamplingParams
 from paged_jax.compilation_cache import default_dir, enable_compilation_cache
 from paged_jax.engine import memory
-from paged_jax.model.generation_config import read_generation_defaults
+from paged_jax.model import HFDirectory
 
 LLAMA = os.path.join(os.path.dirname(__file__), "fixtures", "llama")
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
@@ -39,7 +39,7 @@ def _checkpoint(tmp_path, config=None, generation=None):
 def test_eos_ids_from_config_and_generation_config(tmp_path):
     d = _checkpoint(tmp_path, {"eos_token_id": [7, 9]}, {"eos_token_id": [9, 11], "temperature": 0.6,
                                                         "top_p": 0.9, "do_sample": True, "max_new_tokens": 5})
-    defaults = read_generation_defaults(d)
+    defaults = HFDirectory(d).generation_defaults()
     assert defaults.eos_token_ids == (7, 9, 11)
     assert defaults.sampling == {"temperature": 0.6, "top_p": 0.9, "max_tokens": 5}
 

@@ -57,8 +57,8 @@ def _load(model, *, dtype: str, seed: int):
     """(ModelConfig, params, GenerationDefaults, name) of a checkpoint directory or a
     ``ModelConfig`` (random weights from ``seed``). ``dtype="auto"``: the checkpoint's
     (config.json's ``torch_dtype``), a ``ModelConfig``'s own."""
-    from paged_jax.model import ModelConfig, init_params, load_model
-    from paged_jax.model.generation_config import GenerationDefaults, read_generation_defaults
+    from paged_jax.model import ModelConfig, init_params, load_model, open_source
+    from paged_jax.model.generation_config import GenerationDefaults
 
     auto = dtype == "auto"
     if isinstance(model, ModelConfig):
@@ -69,8 +69,9 @@ def _load(model, *, dtype: str, seed: int):
     if isinstance(model, (str, os.PathLike)):
         if not os.path.isdir(model):
             raise ValueError(f"model={model!r}: not a local checkpoint directory (no downloads)")
-        defaults = read_generation_defaults(model)
-        config, _, params = load_model(model, dtype=None if auto else dtype)
+        source = open_source(model)
+        defaults = source.generation_defaults()
+        config, _, params = load_model(source, dtype=None if auto else dtype)
         return config, params, defaults, f"{config.architecture} from {model}"
     raise ValueError(
         f"model={model!r}: expected a local HF checkpoint directory, a ModelConfig or a ModelBackend"
@@ -408,10 +409,11 @@ class LLM:
                 f"than a block-table row holds ({blocks_per_seq} blocks of {block_size} tokens)"
             )
         self.speculative = speculative
-        from paged_jax.model.generation_config import GenerationDefaults, read_generation_defaults
+        from paged_jax.model import open_source
+        from paged_jax.model.generation_config import GenerationDefaults
 
         checkpoint = isinstance(model, (str, os.PathLike))
-        self.generation_defaults = (read_generation_defaults(model) if checkpoint and generation_config == "auto"
+        self.generation_defaults = (open_source(model).generation_defaults() if checkpoint and generation_config == "auto"
                                     else GenerationDefaults())
 
         self.kv_cache = kv_cache

@@ -1,10 +1,11 @@
-"""Llama-family decoders (Llama, Qwen2, Mistral) in Flax NNX, and HF checkpoint loading."""
+"""Decoder families in Flax NNX (``registry``: Llama, Qwen2, Mistral, ...) and their loading
+from any ``ModelSource`` (a local HF directory, or a registered format)."""
 
-# Hugging Face checkpoints (local directories only).
+# Loading: where a model comes from, and its parameters.
 from paged_jax.model.checkpoint import CheckpointError, load_model, load_params, save_params
 
-# Configuration.
-from paged_jax.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+# Configuration and the families.
+from paged_jax.model.config import ModelConfig, RopeScaling
 
 # The module, its cache backends and pure entry points for jax.jit.
 from paged_jax.model.llama import (
@@ -21,9 +22,12 @@ from paged_jax.model.llama import (
     make_contiguous_attend,
     make_paged_attend,
 )
+from paged_jax.model.registry import FAMILIES, ModelFamily, register_family
+from paged_jax.model.source import HFDirectory, ModelSource, open_source, register_source
 
 __all__ = [
-    "SUPPORTED_ARCHITECTURES", "AttendFn", "CheckpointError", "ContiguousKV", "LlamaForCausalLM",
+    "FAMILIES", "AttendFn", "HFDirectory", "ModelFamily", "ModelSource", "open_source", "register_family",
+    "register_source", "CheckpointError", "ContiguousKV", "LlamaForCausalLM",
     "ModelConfig", "PagedContext", "RopeScaling", "dense_attend", "dense_forward", "forward",
     "init_contiguous_kv", "init_params", "load_model", "load_params", "logits_from_hidden",
     "make_contiguous_attend", "make_paged_attend", "save_params",

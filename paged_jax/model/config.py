@@ -1,4 +1,4 @@
-"""Frozen, validated description of a Llama-family decoder (Llama, Qwen2, Mistral).
+"""Frozen, validated description of a decoder of a registered family (``registry``).
 
 A bad value raises ``ValueError`` naming the field and what is allowed, at construction
 time. ``ModelConfig`` is hashable, so it can be a static argument or closed over by jit.
@@ -15,14 +15,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from paged_jax.dtypes import dtype_name, float_dtype
-
-# Hugging Face architecture name -> its config.json model_type.
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "MistralForCausalLM": "mistral",
-}
-_BY_MODEL_TYPE = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+from paged_jax.model import registry
 
 
 ROPE_TYPES = ("llama3", "linear", "yarn")
@@ -112,7 +105,7 @@ class ModelConfig:
       tie_word_embeddings: the LM head reuses the embedding matrix.
       attention_bias: q/k/v projections have biases (Qwen2; Llama with attention_bias).
       attention_out_bias: o_proj has a bias (Llama with attention_bias; not Qwen2).
-      architecture: the HF architecture name (one of ``SUPPORTED_ARCHITECTURES``).
+      architecture: the HF architecture name of a registered family (``registry.FAMILIES``).
       dtype: parameter and compute dtype name: "float32", "bfloat16" or "float16".
     """
 
@@ -150,8 +143,7 @@ class ModelConfig:
             raise ValueError(f"rms_norm_eps={self.rms_norm_eps}: must be > 0")
         if self.sliding_window is not None:
             _positive("sliding_window", self.sliding_window)
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(_unsupported(self.architecture))
+        registry.family(self.architecture)  # ValueError naming the supported ones
         object.__setattr__(self, "dtype", dtype_name(self.dtype))  # "bf16", jnp.bfloat16 -> "bfloat16"
 
     # ------------------------------------------------------------------ derived
@@ -221,8 +213,7 @@ class ModelConfig:
         RoPE scalings, per-layer sliding windows on some layers only).
         """
         hf = _read_json(path_or_dict)
-        arch = _architecture(hf)
-        model_type = SUPPORTED_ARCHITECTURES[arch]
+        fam = registry.family_of_hf(hf)
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={hf['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
         if hf.get("mlp_bias", False):
@@ -239,7 +230,8 @@ class ModelConfig:
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         bias = bool(hf.get("attention_bias", False))
-        return cls(
+        window = hf.get("sliding_window")
+        fields = dict(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
@@ -251,20 +243,16 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            sliding_window=_sliding_window(hf, model_type),
+            sliding_window=None if window is None else int(window),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            # Qwen2 hard-codes bias on q/k/v and none on o_proj; Llama's flag sets all four.
-            attention_bias=True if model_type == "qwen2" else bias,
-            attention_out_bias=False if model_type == "qwen2" else bias,
-            architecture=arch,
+            attention_bias=bias,  # Llama's flag sets all four projections' biases
+            attention_out_bias=bias,
+            architecture=fam.architecture,
             dtype=dtype_name(dtype or hf.get("dtype") or hf.get("torch_dtype") or "float32"),
         )
-
-
-def _unsupported(arch) -> str:
-    return (
-        f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
+        if fam.adjust is not None:
+            fields = fam.adjust(fields, hf)
+        return cls(**fields)
 
 
 def _read_json(path_or_dict) -> dict:
@@ -286,18 +274,6 @@ def read_json_file(path: str) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
-
-
-def _architecture(hf: dict) -> str:
-    archs = hf.get("architectures") or []
-    if archs:
-        if archs[0] not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(_unsupported(archs[0]))
-        return archs[0]
-    model_type = hf.get("model_type")
-    if model_type not in _BY_MODEL_TYPE:
-        raise ValueError(_unsupported(model_type))
-    return _BY_MODEL_TYPE[model_type]
 
 
 def _rope_scaling(scaling: dict, hf: dict) -> RopeScaling | None:
@@ -332,16 +308,3 @@ def _rope_scaling(scaling: dict, hf: dict) -> RopeScaling | None:
         truncate=bool(scaling.get("truncate", True)),
         **optional,
     )
-
-
-def _sliding_window(hf: dict, model_type: str) -> int | None:
-    window = hf.get("sliding_window")
-    if window is None:
-        return None
-    if model_type == "qwen2" and not hf.get("use_sliding_window", False):
-        return None  # Qwen2 only applies its window when use_sliding_window is set
-    if model_type == "qwen2":
-        layer_types = hf.get("layer_types") or []
-        if layer_types and len(set(layer_types)) > 1:
-            raise ValueError("sliding-window attention on some layers only is not supported")
-    return int(window)

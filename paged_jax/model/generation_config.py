@@ -14,7 +14,6 @@ import dataclasses
 import numbers
 import os
 
-from paged_jax.model.config import read_json_file
 
 # generation_config.json key -> SamplingParams field: the keys vLLM takes as defaults.
 SAMPLING_KEYS = {
@@ -54,17 +53,17 @@ def token_ids(value, where: str) -> tuple[int, ...]:
     return tuple(int(v) for v in values)
 
 
-def read_generation_defaults(path: str | os.PathLike) -> GenerationDefaults:
-    """The ``GenerationDefaults`` of the checkpoint directory ``path``."""
-    path = os.fspath(path)
-    config_file = os.path.join(path, "config.json")
-    config = read_json_file(config_file)
+def generation_defaults(config: dict, generation_config: dict | None, *, where: str = "") -> GenerationDefaults:
+    """The ``GenerationDefaults`` of a checkpoint's parsed config.json (``config``) and
+    generation_config.json (``generation_config``, None when absent); ``where`` names the
+    checkpoint in errors."""
+    config_file = os.path.join(where, "config.json")
+    gen_file = os.path.join(where, "generation_config.json")
     eos = list(token_ids(config.get("eos_token_id"), config_file))
     bos = config.get("bos_token_id")
     sampling = {}
-    gen_file = os.path.join(path, "generation_config.json")
-    if os.path.exists(gen_file):
-        gen = read_json_file(gen_file)
+    if generation_config is not None:
+        gen = generation_config
         eos += [t for t in token_ids(gen.get("eos_token_id"), gen_file) if t not in eos]
         bos = gen.get("bos_token_id", bos)
         sampling = {field: gen[key] for key, field in SAMPLING_KEYS.items() if gen.get(key) is not None}

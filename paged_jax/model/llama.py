@@ -43,6 +43,7 @@ from flax import nnx
 from paged_jax.attention import dense_causal_attention, dispatch
 from paged_jax.kv.pages import KVPages, write_tokens
 from paged_jax.model.config import ModelConfig, RopeScaling
+from paged_jax.model.registry import ModelFamily, family, register_family
 
 AttendFn = Callable[[Any, jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
 
@@ -148,7 +149,10 @@ def _linear(cfg: ModelConfig, din: int, dout: int, bias: bool, rngs: nnx.Rngs) -
 
 
 class Attention(nnx.Module):
-    """GQA self-attention projections + RoPE; the cache work is the ``attend`` callback's."""
+    """GQA self-attention projections + RoPE; the cache work is the ``attend`` callback's.
+
+    A family that normalises or otherwise transforms the per-head queries and keys before
+    RoPE (Qwen3's q/k RMSNorm) overrides ``transform_qk``."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         h, d = cfg.hidden_size, cfg.head_dim
@@ -163,10 +167,15 @@ class Attention(nnx.Module):
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q, k = self.transform_qk(q, k)
         q = apply_rope(q, positions, *rope)
         k = apply_rope(k, positions, *rope)
         out, kv = attend(kv, layer, q, k, v)
         return self.o_proj(out.astype(x.dtype).reshape(b, t, -1)), kv
+
+    def transform_qk(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """q [B, T, Hq, D], k [B, T, Hkv, D] before RoPE: unchanged here."""
+        return q, k
 
 
 class MLP(nnx.Module):
@@ -183,10 +192,12 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
+    attention_cls: type = Attention  # a family's attention (a subclass) goes here
+
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dtype = cfg.jnp_dtype
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, rngs)
+        self.self_attn = self.attention_cls(cfg, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, rngs)
 
@@ -196,21 +207,24 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
 
-def _stacked_layers(config: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
-    """``num_layers`` decoder layers as one module whose parameters have a leading layer
-    axis (each layer initialised from its own split of ``rngs``)."""
+def _stacked_layers(config: ModelConfig, rngs: nnx.Rngs, layer_cls: type) -> DecoderLayer:
+    """``num_layers`` decoder layers (``layer_cls``) as one module whose parameters have a
+    leading layer axis (each layer initialised from its own split of ``rngs``)."""
 
     @nnx.split_rngs(splits=config.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs):
-        return DecoderLayer(config, rngs)
+        return layer_cls(config, rngs)
 
     return make(rngs)
 
 
 class LlamaForCausalLM(nnx.Module):
     """Embedding, ``num_layers`` decoder layers (stacked, see the module docstring), final
-    norm, LM head (tied or not)."""
+    norm, LM head (tied or not). A family changes a layer by subclassing with its own
+    ``layer_cls`` (e.g. ``qwen3.py``)."""
+
+    layer_cls: type = DecoderLayer
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
@@ -218,7 +232,7 @@ class LlamaForCausalLM(nnx.Module):
         self.embed_tokens = nnx.Embed(
             config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
         )
-        self.layers = _stacked_layers(config, rngs)
+        self.layers = _stacked_layers(config, rngs, self.layer_cls)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = (
             None if config.tie_word_embeddings
@@ -257,6 +271,17 @@ class LlamaForCausalLM(nnx.Module):
         return out.astype(jnp.float32)
 
 
+def module_class(config: ModelConfig) -> type:
+    """The ``nnx.Module`` class of ``config``'s family (``registry``)."""
+    return family(config.architecture).module
+
+
+def abstract_model(config: ModelConfig) -> nnx.Module:
+    """``config``'s module with abstract (shape-only) parameters: nothing allocated."""
+    module = module_class(config)
+    return nnx.eval_shape(lambda: module(config, rngs=nnx.Rngs(0)))
+
+
 def init_params(config: ModelConfig, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
     """Random weights (flax default initialisers): ``(graphdef, params)`` from ``nnx.split``.
 
@@ -268,11 +293,12 @@ def init_params(config: ModelConfig, seed: int = 0) -> tuple[nnx.GraphDef, nnx.S
 
 @functools.cache
 def _jitted_init(config: ModelConfig):
-    graphdef = nnx.split(nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0))))[0]
+    module = module_class(config)
+    graphdef = nnx.split(nnx.eval_shape(lambda: module(config, rngs=nnx.Rngs(0))))[0]
 
     @jax.jit
     def init(key):
-        return nnx.split(LlamaForCausalLM(config, rngs=nnx.Rngs(key)))[1]
+        return nnx.split(module(config, rngs=nnx.Rngs(key)))[1]
 
     return lambda key: (graphdef, init(key))
 
@@ -373,3 +399,24 @@ def dense_forward(graphdef, params, tokens: jax.Array) -> jax.Array:
     model = nnx.merge(graphdef, params)
     hidden, _ = model(tokens, positions, None, dense_attend)
     return model.logits(hidden)
+
+
+# --------------------------------------------------------------------------- the families
+
+
+def _qwen2_fields(fields: dict, hf: dict) -> dict:
+    """Qwen2 hard-codes bias on q/k/v and none on o_proj, and applies its sliding window
+    only when ``use_sliding_window`` is set (on every layer: mixed layers are refused)."""
+    fields = {**fields, "attention_bias": True, "attention_out_bias": False}
+    if not hf.get("use_sliding_window", False):
+        return {**fields, "sliding_window": None}
+    layer_types = hf.get("layer_types") or []
+    if layer_types and len(set(layer_types)) > 1:
+        raise ValueError("sliding-window attention on some layers only is not supported")
+    return fields
+
+
+register_family(ModelFamily("LlamaForCausalLM", "llama", LlamaForCausalLM, gguf_architecture="llama"))
+register_family(ModelFamily("Qwen2ForCausalLM", "qwen2", LlamaForCausalLM, adjust=_qwen2_fields,
+                            gguf_architecture="qwen2"))
+register_family(ModelFamily("MistralForCausalLM", "mistral", LlamaForCausalLM, gguf_architecture="llama"))

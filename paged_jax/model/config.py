@@ -17,7 +17,6 @@ import jax.numpy as jnp
 from paged_jax.dtypes import dtype_name, float_dtype
 from paged_jax.model import registry
 
-
 ROPE_TYPES = ("llama3", "linear", "yarn")
 
 

@@ -14,7 +14,6 @@ import dataclasses
 import numbers
 import os
 
-
 # generation_config.json key -> SamplingParams field: the keys vLLM takes as defaults.
 SAMPLING_KEYS = {
     "temperature": "temperature",

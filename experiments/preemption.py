@@ -249,7 +249,7 @@ def pressure_runs(model, run: dict) -> tuple[dict, list[dict]]:
                 "swap_outs": s["swap_outs"], "blocks_swapped_out": s["blocks_swapped_out"],
                 "swap_fallbacks": s["swap_fallbacks"], "prefill_tokens": s["prefill_tokens"],
                 "generated_tokens": s["generated_tokens"], "mean_running_batch": s["mean_running_batch"],
-                "steps": s["steps"], "programs_compiled": engines[mode].runner.traces.total(),
+                "steps": s["steps"], "programs_compiled": s["compiles"],
             }
         row["swap_over_recompute_tokens_per_s"] = row["swap"]["tokens_per_s"] / row["recompute"]["tokens_per_s"]
         out.append(row)

@@ -80,7 +80,7 @@ def grid(quick: bool, name: str, cfg) -> list[tuple[int, int]]:
 def decode_hlo(llm) -> str:
     """Optimised HLO of replica 0's decode step at ``DECODE_ROWS`` rows (padding rows:
     the program is the one the runner compiles, no step runs)."""
-    runner = getattr(llm, "replicas", [llm])[0].runner
+    runner = llm.engine.runner
     sampling = runner._sampling([], DECODE_ROWS)
     lowered = runner._step.lower(runner.params, runner.cache_state, runner.pages,
                                  np.zeros((DECODE_ROWS, 1), np.int32), np.full(DECODE_ROWS, -1, np.int32),
@@ -93,7 +93,7 @@ def pages_bytes_per_device(llm) -> list[int]:
     import jax
 
     out = []
-    for rep in getattr(llm, "replicas", [llm]):
+    for rep in llm.engines:
         leaves = jax.tree.leaves(rep.runner.pages)
         for device in sorted({s.device for x in leaves for s in x.addressable_shards}, key=lambda d: d.id):
             out.append(sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == device))
@@ -105,7 +105,7 @@ def timed_generate(llm, cfg, rows: int, tokens: int) -> dict:
     ``tokens`` prompt and ``tokens`` output tokens, after an identical warm-up call."""
     from paged_jax import SamplingParams
 
-    d = len(getattr(llm, "replicas", [llm]))
+    d = llm.data_parallel_size
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, tokens).tolist() for _ in range(rows * d)]
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)

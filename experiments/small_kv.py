@@ -295,7 +295,7 @@ def engine_run(model, kv_cache: str, max_model_len: int, num_requests: int, repe
     return {"kv_cache": kv_cache, "max_model_len": max_model_len, "num_gpu_blocks": blocks,
             "tokens_per_s": float(np.median(speeds)), "mean_running_batch": stats["mean_running_batch"],
             "peak_running_batch": stats["peak_running_batch"], "num_preemptions": stats["num_preemptions"],
-            "kv_utilization": stats["kv_utilization"], "steps": stats["steps"], "compiles": llm.runner.traces.total(),
+            "kv_utilization": stats["kv_utilization"], "steps": stats["steps"], "compiles": llm.stats()["compiles"],
             "outputs": outputs}
 
 

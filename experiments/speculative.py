@@ -80,7 +80,7 @@ def run(model, batch: int, max_tokens: int, spec: dict | None, make_prompts=prom
     max_model_len = 16 * -(-(prompt_len + max_tokens + 1) // 16)
     llm = LLM(model, num_gpu_blocks=batch * max_model_len // 16, max_num_seqs=batch, max_model_len=max_model_len,
               speculative_config=spec, dtype="float32")
-    vocab = llm.runner.backend.vocab_size
+    vocab = llm.backend.vocab_size
     llm.generate(make_prompts(vocab, batch, seed=1), params, use_tqdm=False)  # compile every shape
     llm.reset_stats()
     outs = llm.generate(make_prompts(vocab, batch), params, use_tqdm=False)

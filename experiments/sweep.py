@@ -219,7 +219,7 @@ def run_config(llm, requests, seed: int) -> dict:
     """One measured run of ``requests`` through ``llm``: the row's measured fields."""
     wall = generate(llm, requests, seed)
     s = llm.stats()
-    cache = llm.runner.cache_config
+    cache = llm.config.device_shape()
     return {
         "tokens_per_s": s["tokens_per_s_excl_compile"],
         "kv_utilization": s["kv_utilization"],

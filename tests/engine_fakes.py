@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import kv
-from paged_jax.cache import append_slots, check_invariants
+from paged_jax.cache import append_slots
 from paged_jax.engine import ModelBackend
 
 VOCAB = 48
@@ -76,15 +76,11 @@ def assert_drained(llm) -> None:
     """After a generate: no block leaked (every block free or cached-free: the prefix
     cache's blocks are accounted, each holding only the cache's reference), no row left
     live, no request queued, the host swap pool empty."""
-    state = llm.runner.cache_state
-    check_invariants(state)
-    cached = np.asarray(state.cached)
-    cache = llm.engine.scheduler.prefix_cache
-    assert int(cached.sum()) == (0 if cache is None else cache.num_cached)
-    assert llm.runner.num_free_blocks() + int(cached.sum()) == llm.num_gpu_blocks
-    assert np.array_equal(np.asarray(state.ref_counts), cached.astype(np.int32))
-    assert not np.asarray(state.active).any()
-    sched = llm.engine.scheduler
-    assert not (sched.waiting or sched.running or sched.swapped)
-    pool = llm.runner.swap_pool
-    assert pool.num_free == pool.capacity
+    for replica in range(llm.data_parallel_size):
+        cache = llm.inspect(replica)  # checks the invariants
+        assert int(cache.cached.sum()) == cache.prefix_cached_blocks
+        assert cache.num_free + int(cache.cached.sum()) == llm.num_gpu_blocks
+        assert np.array_equal(cache.ref_counts, cache.cached.astype(np.int32))
+        assert cache.idle and not cache.rows
+        assert cache.swap_used == 0
+    assert not llm.has_unfinished_requests()

@@ -77,22 +77,21 @@ def run_grid(out: dict) -> None:
         invariants = []
         for rep in engines(llm):
             check_invariants(rep.runner.cache_state, op=f"after generate, t={t} d={d}")
-            fresh = rep.runner._fresh_view()
-            invariants.append(bool(rep.runner.view.same_as(fresh)) and fresh.num_free + fresh.num_cached_free
-                              == rep.num_gpu_blocks)
+            rep.check()  # the host's view of the block manager equals the device's
+            invariants.append(rep.inspect().num_available == llm.num_gpu_blocks)
         out["grid"].append({
-            "t": t, "d": d, "type": type(llm).__name__, "seconds": time.perf_counter() - start,
+            "t": t, "d": d, "replicas": llm.data_parallel_size, "seconds": time.perf_counter() - start,
             "greedy_equal": [tokens[i] == reference[i] for i in greedy],
             "sampled_equal": [tokens[i] == reference[i] for i in range(len(tokens)) if i not in greedy],
             "preemptions": stats["num_preemptions"], "invariants": invariants, "compiles": stats["compiles"],
-            "kv": kv_bytes(llm), "replica_requests": [len(r.engine.stats.request_blocks) for r in engines(llm)],
+            "kv": kv_bytes(llm), "replica_requests": [len(r.stats.request_blocks) for r in engines(llm)],
         })
         out["reference_tokens"] = reference
         if d == 1 and t > 1:
             hlo_start = time.perf_counter()
-            text = decode_hlo(llm)
+            text = decode_hlo(llm.engine)
             print(f"decode HLO t={t}: {time.perf_counter() - hlo_start:.1f} s", flush=True)
-            out["hlo"][str(t)] = {"summary": hlo.summary(text), "pool_copies": pool_copies(text, llm.runner.pages),
+            out["hlo"][str(t)] = {"summary": hlo.summary(text), "pool_copies": pool_copies(text, llm.engine.runner.pages),
                                   "layers": 2}
         print(f"t={t} d={d}: {time.perf_counter() - start:.1f} s", flush=True)
 
@@ -121,7 +120,7 @@ def stream(llm, prompts, params, fetches: list | None = None) -> tuple[list, int
             if o.finished:
                 finished[o.request_id] = o.outputs[0].token_ids
         for rep in engines(llm):
-            rep.engine.check()
+            rep.check()
         steps += 1
     return [finished[i] for i in ids], steps, owners
 

@@ -36,7 +36,7 @@ def main() -> None:
     prompts, params = workload()
     llm = LLM(LLAMA, tensor_parallel_size=4, **dict(ENGINE, enable_prefix_caching=True))
     outs = llm.generate(prompts, params, use_tqdm=False)
-    pages = llm.runner.pages
+    pages = llm.engine.runner.pages
     result = {
         "process": jax.process_index(), "processes": jax.process_count(), "devices": jax.device_count(),
         "local_devices": jax.local_device_count(),

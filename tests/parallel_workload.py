@@ -47,7 +47,7 @@ def use_suite_cache(root: str) -> None:
 
 
 def engines(llm) -> list:
-    return getattr(llm, "replicas", [llm])
+    return llm.engines
 
 
 def kv_bytes(llm) -> dict:

@@ -72,4 +72,4 @@ def test_beam_search_equals_transformers(name):
                 ended = eos is not None and s.tokens[-1] == eos
                 assert s.finish_reason == ("stop" if ended else "length")
     assert not mismatches, mismatches[:3]
-    assert llm.runner.num_free_blocks() == llm.num_gpu_blocks
+    assert llm.inspect().num_free == llm.num_gpu_blocks

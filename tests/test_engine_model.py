@@ -8,7 +8,6 @@ import os
 import numpy as np
 import pytest
 
-from paged_jax.cache import check_invariants
 from paged_jax.engine import LLM, SamplingParams
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "llama")
@@ -62,9 +61,8 @@ def test_outputs_do_not_depend_on_memory_pressure(prompts, alone, mode):
     else:
         assert stats["preemptions"][mode] > 0 and stats["peak_running_batch"] >= 3
     # Nothing leaked: every block back in the pool, no live row.
-    state = llm.runner.cache_state
-    check_invariants(state)
-    assert llm.runner.num_free_blocks() == SMALL and not np.asarray(state.active).any()
+    cache = llm.inspect()  # checks the invariants
+    assert cache.num_free == SMALL and cache.idle
 
 
 def test_prefix_cache_hits_reproduce_cold_runs_and_transformers(prompts, alone):

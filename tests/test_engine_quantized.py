@@ -132,7 +132,7 @@ def test_quantized_outputs_do_not_depend_on_memory_pressure(prompts, name):
         assert _tokens(recompute.generate(prompts, GREEDY, use_tqdm=False)) == alone
         assert recompute.stats()["preemptions"]["recompute"] > 0
     for engine in (swap, cached):
-        assert engine.runner.num_free_blocks() + engine.stats()["cached_blocks"] == SMALL
+        assert engine.inspect().num_free + engine.stats()["cached_blocks"] == SMALL
 
 
 def test_byte_budget_counts_scales_and_bad_names_fail_first():

@@ -82,7 +82,7 @@ def test_one_device_fetch_per_engine_step(mode):
     assert len(fetches) == 1 and not stray
     stats = llm.stats()
     assert stats["num_preemptions"] > 0
-    assert llm.runner.num_free_blocks() == 26
+    assert llm.inspect().num_free == 26
     if spec:
         assert stats["spec_rounds"] > 0
 

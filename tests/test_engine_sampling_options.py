@@ -58,7 +58,7 @@ def _readout(tokens, n, *, width):
 
 def _fake_logits(llm, tokens):
     """The fake model's logits after ``tokens`` (``engine_fakes._readout``, directly)."""
-    width = llm.runner.config.max_blocks_per_seq * BS
+    width = llm.config.cache.max_blocks_per_seq * BS
     padded = np.zeros(width, np.float32)
     padded[: len(tokens)] = tokens
     return np.asarray(_readout(padded, np.float32(len(tokens)), width=width), np.float64)
@@ -222,13 +222,13 @@ def test_one_program_per_shape_whatever_the_options():
     prompts = _prompts(4, seed=4, lo=3, hi=8)
     llm = _llm(eos=EOS)
     _run(llm, prompts, SamplingParams(temperature=0, max_tokens=6))
-    traces = dict(llm.runner.traces)
+    traces = dict(llm.engine.runner.traces)
     mixed = [SamplingParams(temperature=0.8, max_tokens=6, seed=1, repetition_penalty=1.2),
              SamplingParams(temperature=0, max_tokens=6, min_tokens=6, stop_token_ids=(1,)),
              SamplingParams(temperature=1.0, max_tokens=6, seed=2, min_p=0.2, top_k=5),
              SamplingParams(temperature=0, max_tokens=6, presence_penalty=1.0)]
     _run(llm, prompts, mixed)
-    assert dict(llm.runner.traces) == traces
+    assert dict(llm.engine.runner.traces) == traces
 
 
 def test_rows_with_processing_do_not_speculate_and_match_plain_decoding():

@@ -205,7 +205,7 @@ def test_bad_configurations_name_the_valid_choices():
 
 def test_kv_cache_memory_bytes_sizes_the_pool():
     probe = _llm()
-    per_block = probe.runner.bytes_per_block  # fake: 1 layer x 1 head x 4 tokens x 1 x 2 (K, V) x 4 B
+    per_block = probe.config.cache.bytes_per_block  # fake: 1 layer x 1 head x 4 tokens x 1 x 2 (K, V) x 4 B
     assert per_block == 2 * BS * 4
     llm = LLM(fake_backend(BS), block_size=BS, kv_cache_memory_bytes=per_block * 20 + 5, max_model_len=MAX_LEN,
               max_num_seqs=4)

@@ -93,18 +93,18 @@ def test_copy_on_write_never_lets_a_sibling_read_the_other_block(poison):
     llm = _llm()
     (group,) = llm.add_requests([prompt], params)
     llm.engine.step()  # prefill: the prompt's blocks, in the first completion's row
-    source = int(llm.runner.view.block_tables[group.seqs[0].slot, partial])
+    source = int(llm.inspect().block_tables[group.seqs[0].slot, partial])
     while not all(s.row_live and s.num_computed > len(prompt) for s in group.seqs):
         llm.engine.step()
-    tables = llm.runner.view.block_tables
+    tables = llm.inspect().block_tables
     rows = [tables[s.slot] for s in group.seqs]
     assert rows[0][0] == rows[1][0]  # the full prompt block stays shared
     blocks = [int(r[partial]) for r in rows]
     assert source in blocks and blocks[0] != blocks[1]  # one kept the source, one got the copy
     target = source if poison == "source" else sum(blocks) - source
     owner = blocks.index(target)
-    pages = llm.runner.pages
-    llm.runner.pages = type(pages)(k=pages.k.at[:, :, target].set(jnp.nan), v=pages.v)
+    runner = llm.engine.runner  # fault injection: poison one block's keys on the device
+    runner.pages = type(runner.pages)(k=runner.pages.k.at[:, :, target].set(jnp.nan), v=runner.pages.v)
     while llm.engine.has_unfinished():
         llm.engine.step()
     llm.engine.flush()

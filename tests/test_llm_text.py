@@ -8,7 +8,6 @@ import pytest
 from engine_fakes import assert_drained, fake_backend
 
 from paged_jax import LLM, SamplingParams
-from paged_jax.cache import check_invariants
 
 TEXT = os.path.join(os.path.dirname(__file__), "fixtures", "llama_text")
 LLAMA = os.path.join(os.path.dirname(__file__), "fixtures", "llama")
@@ -166,8 +165,7 @@ def test_an_interrupted_generate_leaves_the_engine_clean(where):
         llm.generate([], params, use_tqdm=False)
     assert all(s.finish_reason.value == "abort" for g in groups for s in g.seqs)
     assert not llm.engine.has_unfinished()
-    check_invariants(llm.runner.cache_state)
-    assert llm.num_gpu_blocks - llm.runner.view.num_available == 0
+    assert llm.inspect().num_available == llm.num_gpu_blocks  # inspect() checks the invariants
     engine.runner.run, llm.engine.postprocess = run, postprocess
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
@@ -196,4 +194,4 @@ def test_abort_between_steps():
     assert_drained(llm)
     with pytest.raises(ValueError, match="unknown request"):
         llm.abort(["nope"])
-    assert np.all(np.asarray(llm.runner.cache_state.seq_lens) == 0)
+    assert np.all(llm.inspect().seq_lens == 0)

@@ -225,16 +225,16 @@ def test_nan_logits_end_that_request_with_an_error():
 def test_warmup_compiles_what_a_plain_call_needs():
     llm = LLM(fake_backend(4), block_size=4, num_gpu_blocks=32, max_model_len=32, max_num_seqs=8,
               max_num_batched_tokens=32, debug_checks=True)
-    shapes = llm.runner.warmup_shapes()
+    shapes = llm.engine.runner.warmup_shapes()
     assert ("decode", (8, 1)) in shapes and ("prefill", (1, 32)) in shapes
     assert llm.warmup(use_tqdm=False) == len(shapes)
     check_invariants_and_empty(llm)
-    before = dict(llm.runner.traces)
+    before = dict(llm.engine.runner.traces)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 40, int(rng.integers(1, 20))).tolist() for _ in range(8)]
     llm.generate(prompts, [SamplingParams(temperature=t, max_tokens=6, seed=1) for t in (0, 0.7) * 4],
                  use_tqdm=False)
-    assert dict(llm.runner.traces) == before  # nothing new compiled by the call
+    assert dict(llm.engine.runner.traces) == before  # nothing new compiled by the call
 
 
 def test_a_typical_first_call_compiles_at_most_four_programs():
@@ -252,15 +252,13 @@ def test_a_typical_first_call_compiles_at_most_four_programs():
     params = [SamplingParams(temperature=0.8 * (i % 2), max_tokens=int(rng.integers(4, 24)), ignore_eos=True,
                              seed=i) for i in range(32)]
     llm.generate(prompts, params, use_tqdm=False)
-    assert sum(llm.runner.traces.values()) <= 4, dict(llm.runner.traces)
-    assert llm.stats()["compiles"] == sum(llm.runner.traces.values())
+    assert sum(llm.engine.runner.traces.values()) <= 4, dict(llm.engine.runner.traces)
+    assert llm.stats()["compiles"] == sum(llm.engine.runner.traces.values())
 
 
 def check_invariants_and_empty(llm):
-    from paged_jax.cache import check_invariants
 
-    check_invariants(llm.runner.cache_state)
-    assert llm.runner.view.num_available == llm.num_gpu_blocks
+    assert llm.inspect().num_available == llm.num_gpu_blocks  # inspect() checks the invariants
 
 
 def test_llm_warns_before_compiled_programs_exhaust_the_memory_mappings(monkeypatch):

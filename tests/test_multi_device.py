@@ -24,10 +24,10 @@ from jax.sharding import Mesh
 from parallel_workload import GRID, LLAMA, workload
 
 from paged_jax import LLM
+from paged_jax.engine.router import Assignment, ReplicaLoad, get_router, least_loaded, round_robin
 from paged_jax.model import ModelConfig, dense_forward, init_params
 from paged_jax.parallel import KVHeadLayout, check_mesh, hlo, make_mesh
 from paged_jax.parallel.backend import resolve_mesh
-from paged_jax.parallel.replicas import Assignment, ReplicaLoad, get_policy, least_loaded, round_robin
 from paged_jax.parallel.sharding import param_spec, replicate_kv_heads
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -70,7 +70,7 @@ def test_greedy_tokens_equal_the_one_device_run_for_every_t_and_d(checks):
     assert sorted(runs) == sorted(GRID)
     for (t, d), g in runs.items():
         assert all(g["greedy_equal"]), (t, d, g["greedy_equal"])
-        assert g["type"] == ("DataParallelLLM" if d > 1 else "LLM")
+        assert g["replicas"] == d
         assert len(g["invariants"]) == d and all(g["invariants"]), (t, d)
 
 
@@ -261,10 +261,10 @@ def test_assignment_policies():
     loads = [ReplicaLoad(3, 300), ReplicaLoad(1, 100), ReplicaLoad(2, 100)]
     assert [round_robin(Assignment(n, 10), loads) for n in range(4)] == [0, 1, 2, 0]
     assert least_loaded(Assignment(0, 10), loads) == 1  # fewest tokens, then fewest requests
-    assert get_policy("least_loaded") is least_loaded
-    assert get_policy(round_robin) is round_robin
+    assert get_router("least_loaded") is least_loaded
+    assert get_router(round_robin) is round_robin
     with pytest.raises(ValueError, match="data_parallel_policy='busiest'"):
-        get_policy("busiest")
+        get_router("busiest")
 
 
 def test_hlo_reader_counts_collectives_inside_loops():

@@ -114,10 +114,11 @@ def test_eviction_never_touches_a_referenced_block():
     """Before each step that evicts: no evicted block is named by a row that the step
     keeps, nor by a row it opens on cached blocks (the device would refuse too)."""
     llm = _llm(SMALL, enable_prefix_caching=True)
-    run, evicted = llm.runner.run, []
+    runner = llm.engine.runner  # a spy on the runner: what each step's plan evicts
+    run, evicted = runner.run, []
 
     def spy(plan):
-        tables = np.asarray(llm.runner.cache_state.block_tables)
+        tables = llm.inspect().block_tables
         gone = set(plan.release) | {r for rows in plan.swap_out for r in rows}
         kept = {int(b) for r in range(tables.shape[0]) if r not in gone for b in tables[r] if b >= 0}
         kept |= {b for row in plan.prefix for b in row}
@@ -125,7 +126,7 @@ def test_eviction_never_touches_a_referenced_block():
         evicted.extend(plan.evict)
         return run(plan)
 
-    llm.runner.run = spy
+    runner.run = spy
     assert _completions(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == _completions(
         _llm(ROOMY).generate(PROMPTS, GREEDY, use_tqdm=False))
     assert evicted

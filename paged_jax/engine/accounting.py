@@ -109,3 +109,11 @@ class StaticAccounting:
     @property
     def may_preempt(self) -> bool:
         return False
+
+
+def make_accounting(config) -> PagedAccounting | StaticAccounting:
+    """The accounting of an ``EngineConfig``'s cache mode ("paged" or "static")."""
+    cache = config.cache
+    if cache.mode == "paged":
+        return PagedAccounting(cache.num_blocks, cache.block_size, cache.watermark)
+    return StaticAccounting(cache.num_blocks, cache.block_size, config.scheduler.max_model_len)

@@ -1,7 +1,9 @@
 """The engine loop: schedule, run, postprocess — one ``step`` at a time.
 
-``LLMEngine`` wires the scheduler (decisions, host only), the runner (the device) and the
-stats together; ``LLM`` (``llm.py``) is the offline front end over it. A step:
+``LLMEngine`` is built from an ``EngineConfig`` (``from_config``: the backend's weights are
+loaded there) and wires the scheduler (decisions, host only), the runner (the device) and
+the stats together; ``LLM`` (``llm.py``) is the offline front end over one or more engines
+(data-parallel replicas), and a server drives one the same way. A step:
 
 1. ``Scheduler.schedule`` plans the step: releases, preemptions, swaps, admissions and
    the tokens each running sequence feeds (``StepPlan``).
@@ -16,14 +18,21 @@ from __future__ import annotations
 import time
 import warnings
 
+import jax
 import numpy as np
 
+from paged_jax.backend import ModelBackend, build_backend
 from paged_jax.engine import beam as beam_lib
+from paged_jax.engine.accounting import make_accounting
+from paged_jax.engine.config import EngineConfig
+from paged_jax.engine.outputs import request_output
+from paged_jax.engine.prefix_cache import PrefixCache, PrefixCacheCounters
 from paged_jax.engine.runner import NAN_TOKEN, ModelRunner, StepResult
 from paged_jax.engine.sampling import Logprob, as_token_ids
-from paged_jax.engine.scheduler import ScheduledStep, Scheduler
-from paged_jax.engine.sequence import FinishReason, Sequence, SequenceGroup
+from paged_jax.engine.scheduler import ScheduledStep, Scheduler, SchedulerCounters
+from paged_jax.engine.sequence import FinishReason, SeqStatus, Sequence, SequenceGroup
 from paged_jax.engine.stats import EngineStats
+from paged_jax.engine.text_output import TextOutputs
 
 
 def _prefill_tokens(step: ScheduledStep) -> int:
@@ -52,14 +61,39 @@ def _logprob_dict(token: int, logprob: float, rank: int, top_lp, top_ids, k: int
 
 
 class LLMEngine:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, *, eos_token_id: int | None, debug_checks: bool):
-        self.scheduler = scheduler
-        self.runner = runner
-        self.eos_token_id = eos_token_id
-        self.text = None  # a text_output.TextOutputs when the model has a tokenizer (set by LLM)
-        self.debug_checks = debug_checks
-        cfg = runner.config
-        self.stats = EngineStats(block_size=cfg.block_size, num_blocks=cfg.num_blocks)
+    """One engine: a runner (one device, or one replica's mesh), a scheduler, the stats.
+
+    Not thread-safe: one caller steps it (``LLM`` gives each replica a thread of its own)."""
+
+    def __init__(self, config: EngineConfig, backend: ModelBackend):
+        self.config = config
+        self.runner = ModelRunner(backend, config)
+        self.scheduler = self._new_scheduler()
+        self.tokenizer = config.model.tokenizer
+        self.text = None if self.tokenizer is None else TextOutputs(self.tokenizer)
+        self.eos_token_id = config.model.eos_token_ids or None
+        self.debug_checks = config.debug_checks
+        self.stats = EngineStats(block_size=config.cache.block_size, num_blocks=config.cache.num_blocks)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, mesh=None) -> LLMEngine:
+        """An engine over a freshly built backend (weights loaded here) on ``mesh`` (one
+        replica's, or None: one device)."""
+        backend = build_backend(config.model, block_size=config.cache.block_size,
+                                kv_cache_dtype=config.cache.kv_cache_dtype, attention_impl=config.model.attention_impl,
+                                speculative=config.speculative, mesh=mesh)
+        return cls(config, backend)
+
+    def _new_scheduler(self) -> Scheduler:
+        """A scheduler with empty queues over the runner's state (construction, ``reset``)."""
+        cfg = self.config
+        prefix_cache = None
+        if cfg.cache.prefix_caching:
+            prefix_cache = PrefixCache(cfg.cache.num_blocks, cfg.cache.block_size, hash_fn=cfg.cache.prefix_cache_hash,
+                                       eviction_policy=cfg.cache.eviction_policy)
+        swapping = cfg.scheduler.preemption_mode == "swap" and cfg.cache.mode == "paged"
+        return Scheduler(cfg.scheduler, self.runner, make_accounting(cfg), swapping=swapping,
+                         prefix_cache=prefix_cache)
 
     def add(self, group: SequenceGroup) -> None:
         self.scheduler.add(group)
@@ -67,8 +101,50 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def unfinished(self) -> list[SequenceGroup]:
+        """Requests not finished: waiting, running or swapped out."""
+        sched = self.scheduler
+        return [*sched.waiting, *sched.running, *sched.swapped]
+
+    def outputs(self, groups: list[SequenceGroup]) -> list:
+        """The outputs of ``groups`` as they stand (``outputs.request_output``)."""
+        return [request_output(g, self.text, self.tokenizer) for g in groups]
+
     def step(self) -> list[Sequence]:
-        """Run one step; returns the sequences that finished in it."""
+        """Run one step; returns the sequences that finished in it. Any exception inside
+        (Ctrl-C included) resets the engine (``reset``) before it propagates."""
+        try:
+            finished = self._step()
+        except BaseException:
+            self.reset()
+            raise
+        self._times(finished)
+        return finished
+
+    def run_until_done(self) -> None:
+        """Step until nothing is unfinished, then release the last rows (``flush``)."""
+        try:
+            while self.has_unfinished():
+                self._times(self._step())
+            self.flush()
+        except BaseException:  # never leave half a step behind
+            self.reset()
+            raise
+
+    def _times(self, finished: list[Sequence]) -> None:
+        """Record first-token and finish times (``RequestMetrics``) after a step."""
+        now = time.time()
+        for g in self.scheduler.running:
+            if g.metrics is not None and "first_token_time" not in g.metrics and any(s.output_token_ids for s in g.seqs):
+                g.metrics["first_token_time"] = now
+        for s in finished:
+            m = s.group.metrics
+            if m is not None:
+                m.setdefault("first_token_time", now)
+                if s.group.finished:
+                    m["finished_time"] = now
+
+    def _step(self) -> list[Sequence]:
         start = time.perf_counter()
         compiled_before = self.runner.compile_seconds
         step = self.scheduler.schedule()
@@ -84,7 +160,7 @@ class LLMEngine:
         finished, ended, generated = self.postprocess(step, result)
         # Measured after the appends, before the finished release their blocks; cached-free
         # blocks (prefix caching) are reclaimable, so not allocated.
-        allocated = self.runner.config.num_blocks - result.view.num_available
+        allocated = self.runner.num_blocks - result.view.num_available
         charged = self.scheduler.accounting.charged_blocks(allocated)
         tokens_held = sum(s.num_computed for g in self.scheduler.running for s in g.seqs if s.row_live)
         unshared, per_request = self._sharing(result.view)
@@ -214,7 +290,7 @@ class LLMEngine:
     def _sharing(self, view) -> tuple[int, dict]:
         """Blocks the live rows would hold unshared, and per request with several members
         (physical, unshared); a one-member request holds exactly its own blocks."""
-        bs = self.runner.config.block_size
+        bs = self.runner.block_size
         lens = view.seq_lens[view.active]
         unshared = int(((lens + bs - 1) // bs).sum())
         groups = [(g.request_id, [s.slot for s in g.seqs if s.row_live]) for g in self.scheduler.running]
@@ -287,3 +363,114 @@ class LLMEngine:
             sched.prefix_cache.check(np.asarray(self.runner.cache_state.cached), rows, self.runner.view)
         if sched.swapping:
             sched.runner.swap_pool.check([g.swapped.host_ids for g in sched.swapped if g.swapped is not None])
+
+    def warmup(self, use_tqdm: bool = True) -> int:
+        """Compile every program a plain (non-speculative, no logprobs) step can call, up
+        front: the decode and prefill buckets (``ModelRunner.warmup_shapes``). Returns how
+        many shapes were run; with the persistent cache warm this is mostly reading back."""
+        shapes = self.runner.warmup_shapes()
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(shapes), desc="compiling", unit="program")
+        try:
+            self.runner.warmup(shapes, on_shape=None if bar is None else (lambda name, shape: bar.update()))
+        finally:
+            if bar is not None:
+                bar.close()
+        return len(shapes)
+
+    # ------------------------------------------------------------------ recovery
+
+    def reset(self) -> None:
+        """Back to an empty, consistent engine after a call was interrupted anywhere (in the
+        scheduler's planning, between a device call and its host bookkeeping, or with the
+        donated KV arrays lost): every unfinished request is aborted (finish reason
+        "abort"), the block manager starts from an empty pool (the prefix cache with it),
+        the host swap pool is emptied. Compiled programs, the pages' memory (unless lost)
+        and the statistics are kept."""
+        from paged_jax.engine.swap import HostSwapPool
+
+        old = self.scheduler
+        for group in self.unfinished():
+            for s in group.seqs:
+                if s.finish_reason is None:
+                    s.finish_reason = FinishReason.ABORT
+                s.slot, s.row_live = None, False
+            group.status = SeqStatus.FINISHED
+        runner = self.runner
+        runner.cache_state = runner.empty_state()
+        if any(leaf.is_deleted() for leaf in jax.tree.leaves(runner.pages)):
+            runner.pages = runner.backend.init_pages(runner.num_blocks)
+        runner.swap_pool = HostSwapPool.for_pages(runner.swap_pool.capacity, runner.pages)
+        runner.view = runner._fresh_view()
+        self.scheduler = self._new_scheduler()
+        self.scheduler.counters = old.counters
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort unfinished requests by id (``Scheduler.abort``); ValueError, before anything
+        changes, for an id that is not unfinished here."""
+        live = {g.request_id: g for g in self.unfinished()}
+        unknown = [r for r in request_ids if r not in live]
+        if unknown:
+            raise ValueError(f"unknown request ids (never added, or already finished): {unknown}")
+        for rid in dict.fromkeys(request_ids):
+            self.scheduler.abort(live[rid])
+
+    # ------------------------------------------------------------------ stats
+
+    def summary(self) -> dict:
+        """Counters since construction (or ``reset_stats``); see ``stats.py``."""
+        cfg, sched, runner = self.config, self.scheduler, self.runner
+        c = sched.counters
+        out = self.stats.summary()
+        traces = runner.traces
+        out.update(
+            kv_cache=cfg.cache.mode,
+            kv_cache_dtype=cfg.cache.kv_cache_dtype,
+            block_size=cfg.cache.block_size,
+            bytes_per_block=runner.bytes_per_block,
+            preemption_mode=cfg.scheduler.preemption_mode,
+            preemptions={"recompute": c.preemptions["recompute"], "swap": c.preemptions["swap"]},
+            num_preemptions=sum(c.preemptions.values()),
+            swap_outs=c.swap_outs,
+            swap_ins=c.swap_ins,
+            blocks_swapped_out=c.blocks_swapped_out,
+            blocks_swapped_in=c.blocks_swapped_in,
+            swap_fallbacks=c.swap_fallbacks,
+            compiles=traces["prefill"] + traces["decode"] + traces["verify"],
+            speculative=None if cfg.speculative is None else cfg.speculative.method,
+            compile_seconds=runner.compile_seconds,
+            tokens_per_s_excl_compile=(
+                out["generated_tokens"] / max(out["seconds"] - runner.compile_seconds, 1e-9) if out["seconds"] else 0.0
+            ),
+            traces=dict(traces),
+        )
+        cache = sched.prefix_cache
+        pc = cache.counters if cache is not None else None
+        out.update(
+            prefix_caching=cache is not None,
+            prefix_cache_query_tokens=pc.query_tokens if pc else 0,
+            prefix_cache_hit_tokens=pc.hit_tokens if pc else 0,
+            prefix_cache_hit_rate=pc.hit_tokens / pc.query_tokens if pc and pc.query_tokens else 0.0,
+            prefix_cache_evictions=pc.evictions if pc else 0,
+            cached_blocks=cache.num_cached if cache is not None else 0,
+            peak_cached_blocks=pc.peak_cached_blocks if pc else 0,
+        )
+        return out
+
+    def reset_stats(self) -> None:
+        """Start counting afresh (e.g. after a warm-up run); the trace counts are kept."""
+        self.scheduler.counters = SchedulerCounters()
+        if (cache := self.scheduler.prefix_cache) is not None:
+            cache.counters = PrefixCacheCounters(peak_cached_blocks=cache.num_cached)
+        self.runner.compile_seconds = 0.0
+        self.stats = EngineStats(block_size=self.config.cache.block_size, num_blocks=self.config.cache.num_blocks)
+
+    def inspect(self):
+        """The block manager as the device holds it now (a ``inspection.CacheInspection``;
+        a device sync: for tests, notebooks and debugging)."""
+        from paged_jax.engine.inspection import inspect_engine
+
+        return inspect_engine(self)

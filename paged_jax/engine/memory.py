@@ -2,7 +2,8 @@
 
 On an accelerator that reports its memory (``Device.memory_stats()``: GPUs, TPUs) the
 pool gets ``gpu_memory_utilization`` of the device's memory minus what is already in use
-(the weights, loaded before the pool is sized); the remaining ``1 -
+and the weights still to be loaded (``weight_bytes``: the pool is sized from the config,
+before any weight is read); the remaining ``1 -
 gpu_memory_utilization`` is the margin for activations, which vLLM measures with a dummy
 forward pass and we do not. On the CPU the budget is fixed:
 ``PAGED_JAX_CPU_KVCACHE_SPACE`` GiB (default 4), as vLLM's ``VLLM_CPU_KVCACHE_SPACE``.
@@ -28,9 +29,18 @@ def check_utilization(gpu_memory_utilization) -> float:
     return float(u)
 
 
-def kv_budget_bytes(gpu_memory_utilization: float, device=None) -> tuple[int, str]:
+def weight_bytes(model_spec) -> int:
+    """Bytes the weights of an ``EngineConfig``'s model part will take once loaded (with
+    its draft's); 0 for a ``ModelBackend``, whose weights are already in memory."""
+    if model_spec.backend is not None:
+        return 0
+    specs = [model_spec] + ([model_spec.draft] if model_spec.draft is not None else [])
+    return sum(s.architecture.num_params * s.architecture.jnp_dtype.itemsize for s in specs)
+
+
+def kv_budget_bytes(gpu_memory_utilization: float, device=None, weight_bytes: int = 0) -> tuple[int, str]:
     """(bytes the KV pool may take, how that was decided) on ``device`` (default: the
-    first device)."""
+    first device), ``weight_bytes`` still to be loaded there."""
     device = device or jax.devices()[0]
     stats = None
     try:
@@ -39,9 +49,10 @@ def kv_budget_bytes(gpu_memory_utilization: float, device=None) -> tuple[int, st
         pass
     if stats and stats.get("bytes_limit"):
         limit, used = int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
-        budget = int(gpu_memory_utilization * limit) - used
+        budget = int(gpu_memory_utilization * limit) - used - weight_bytes
         return max(budget, 0), (f"gpu_memory_utilization={gpu_memory_utilization} of {limit / 2**30:.1f} GiB "
-                                f"on {device.device_kind}, {used / 2**30:.2f} GiB already in use")
+                                f"on {device.device_kind}, {used / 2**30:.2f} GiB already in use, "
+                                f"{weight_bytes / 2**30:.2f} GiB of weights to load")
     raw = os.environ.get(CPU_ENV)
     try:
         gib = DEFAULT_CPU_GIB if raw is None else float(raw)

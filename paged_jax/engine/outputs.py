@@ -8,6 +8,10 @@ return ``beam.BeamSearchOutput`` instead.
 from __future__ import annotations
 
 import dataclasses
+import time
+
+from paged_jax.engine import beam as beam_lib
+from paged_jax.engine.sequence import FinishReason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,3 +81,55 @@ class RequestOutput:
     prompt: str | None = None
     prompt_logprobs: list | None = None
     metrics: RequestMetrics | None = None
+
+
+# ---------------------------------------------------------------------------- assembly
+
+
+def is_done(group) -> bool:
+    """A request is done: rejected, or every completion finished."""
+    return group.rejected is not None or all(s.finish_reason is not None for s in group.seqs)
+
+
+def with_decoded_tokens(logprobs: list | None, tokenizer) -> list | None:
+    """Per-position ``{id: Logprob}`` dicts with ``decoded_token`` filled in (the model has
+    a tokenizer), as vLLM reports them."""
+    if logprobs is None or tokenizer is None:
+        return logprobs
+    return [None if d is None else {t: dataclasses.replace(lp, decoded_token=tokenizer.decode([t], skip_special_tokens=False))
+                                    for t, lp in d.items()} for d in logprobs]
+
+
+def request_output(group, text=None, tokenizer=None):
+    """The output of one request as it stands: a ``RequestOutput`` (sampling; unfinished
+    completions as they are) or a ``beam.BeamSearchOutput``. ``text``: the engine's
+    ``text_output.TextOutputs`` when the model has a tokenizer."""
+    if group.beam is not None:
+        result = (beam_lib.BeamSearchOutput([], group.rejected) if group.rejected
+                  else beam_lib.results(group.beam, group.prompt_token_ids, group.eos))
+        if text is not None:
+            result = result._replace(sequences=[b._replace(text=text.decode(b.tokens)) for b in result.sequences])
+        return result
+    reason = FinishReason.REJECTED.value if group.rejected else None
+    metrics = group.metrics or {"arrival_time": time.time()}
+    return RequestOutput(
+        request_id=group.request_id,
+        prompt_token_ids=list(group.prompt_token_ids),
+        outputs=[
+            CompletionOutput(
+                index=s.completion,
+                token_ids=list(s.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob,
+                finish_reason=reason or (s.finish_reason.value if s.finish_reason else None),
+                text="" if text is None else text.text(s, final=s.finish_reason is not None),
+                logprobs=with_decoded_tokens(s.output_logprobs, tokenizer),
+                stop_reason=s.stop_reason,
+            )
+            for s in group.seqs
+        ],
+        finished=is_done(group),
+        rejected=group.rejected,
+        prompt=group.prompt_text,
+        prompt_logprobs=with_decoded_tokens(group.prompt_logprobs, tokenizer),
+        metrics=RequestMetrics(**metrics),
+    )

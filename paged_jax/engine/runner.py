@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import buckets
+from paged_jax.backend import ModelBackend
 from paged_jax.cache import (
     NO_BLOCK,
     HostView,
@@ -61,8 +62,8 @@ from paged_jax.cache import (
     unshare,
 )
 from paged_jax.cache.sentinels import NO_SEQ
-from paged_jax.config import CacheConfig
 from paged_jax.engine import speculative
+from paged_jax.engine.config import EngineConfig
 from paged_jax.engine.sampling import History, empty_history, sample, token_logprobs, top_logprobs
 from paged_jax.engine.swap import HostSwapPool, SwappedBlocks
 from paged_jax.kv.pages import block_axis, bytes_per_block, copy_blocks, read_blocks, write_blocks
@@ -72,42 +73,6 @@ from paged_jax.kv.pages import block_axis, bytes_per_block, copy_blocks, read_bl
 NAN_TOKEN = -1
 MIN_TOP = 16  # narrowest top-K call (see _call)
 MIN_HISTORY = 64  # narrowest penalty/min-tokens history (sampling.History): most batches fit it
-
-
-class ModelBackend(NamedTuple):
-    """Everything the runner needs from a model (built by ``llm.py`` or by a test).
-
-    Attributes:
-      step: the pure model step, ``paged_jax.steps``' contract: ``step(params,
-        cache_state, pages, tokens int32[B, T], seq_ids int32[B], num_tokens int32[B]) ->
-        (logits f32[B, V] at each row's last new token, cache_state, pages, status
-        int32[B])``. Decode is ``T == 1``. The runner jits it (fused with sampling).
-      params: the model parameters (a pytree).
-      init_pages: ``num_blocks -> pages``: an empty KV page store for the pool (a
-        ``KVPages`` or any pytree whose leaves are ``[..., num_blocks, block_size, F]``).
-      vocab_size: V.
-      eos_token_id: stops generation unless ``ignore_eos``; None if the model has none.
-      max_position: longest sequence the model supports (None: unbounded).
-      name: a short description for reports.
-      propose: with a draft model, its proposal program (``paged_jax.engine.draft``:
-        ``propose(params, state, pages, last, seq_ids, num_tokens, temperature, top_k,
-        top_p, seeds, steps) -> (proposals, q, logits, state, pages, status)``); None
-        otherwise. Speculation without it (n-gram) needs ``step`` to accept
-        ``all_logits=True`` (logits at every fed token).
-      mesh: the replica's ``("data", "model")`` mesh when ``params`` and the pages are
-        sharded over it (``paged_jax.parallel``); the block manager is then replicated on
-        it. None: one device.
-    """
-
-    step: Callable
-    params: Any
-    init_pages: Callable[[int], Any]
-    vocab_size: int
-    eos_token_id: int | None = None
-    max_position: int | None = None
-    name: str = "model"
-    propose: Callable | None = None
-    mesh: Any = None
 
 
 class SampleRow(NamedTuple):
@@ -392,53 +357,36 @@ _read_blocks = jax.jit(read_blocks)
 _snapshot = jax.jit(snapshot)
 
 
-@dataclasses.dataclass
-class RunnerConfig:
-    num_blocks: int
-    block_size: int
-    max_num_seqs: int  # table rows = the largest decode batch
-    max_blocks_per_seq: int
-    max_num_batched_tokens: int  # the largest prefill chunk (and token budget per step)
-    allocation_policy: str = "lifo"
-    debug: bool = False  # check the block manager's invariants after every op (slow)
-    prefix_caching: bool = False  # plans may mark, evict and open rows on cached blocks
-    num_speculative_tokens: int = 0  # k: the verification call's width is k + 1
-    decode_buckets: tuple[int, ...] | None = None  # decode batch sizes; None: buckets.decode_buckets' default
-
-    def __post_init__(self):
-        # One normalised home for the sizes: ascending, capped at max_num_seqs, which is always one.
-        self.decode_buckets = buckets.decode_buckets(self.max_num_seqs, self.decode_buckets)
-
-
 class ModelRunner:
     """Device state and the jitted calls on it. Not thread-safe; one engine owns it."""
 
-    def __init__(self, backend: ModelBackend, config: RunnerConfig, swap_space_blocks: int = 0):
+    def __init__(self, backend: ModelBackend, config: EngineConfig):
         self.backend = backend
         self.config = config
-        self.cache_config = CacheConfig(
-            num_blocks=config.num_blocks,
-            block_size=config.block_size,
-            max_seqs=config.max_num_seqs,
-            max_blocks_per_seq=config.max_blocks_per_seq,
-        )
+        cache, sched = config.cache, config.scheduler
+        self.num_blocks, self.block_size = cache.num_blocks, cache.block_size
+        self.max_num_seqs, self.max_blocks_per_seq = sched.max_num_seqs, cache.max_blocks_per_seq
+        self.max_num_batched_tokens, self.decode_buckets = sched.max_num_batched_tokens, sched.decode_buckets
+        self.num_speculative_tokens = config.speculative.num_speculative_tokens if config.speculative else 0
+        self.prefix_caching = cache.prefix_caching
+        self.cache_config = config.device_shape()
         self.cache_state = self.empty_state()
-        self.pages = backend.init_pages(config.num_blocks)
+        self.pages = backend.init_pages(self.num_blocks)
         self.params = backend.params
         self.bytes_per_block = bytes_per_block(self.pages)
-        self.swap_pool = HostSwapPool.for_pages(swap_space_blocks, self.pages)
+        self.swap_pool = HostSwapPool.for_pages(cache.swap_space_blocks, self.pages)
         self.traces: collections.Counter[str] = collections.Counter()
         self.compile_seconds = 0.0  # wall time of model calls that traced
         self._step = _fused(backend.step)
-        self._verify = _fused_verify(backend.step, backend.propose) if config.num_speculative_tokens else None
+        self._verify = _fused_verify(backend.step, backend.propose) if self.num_speculative_tokens else None
         # Blocks one step can fill (marks) or take (evictions, swap-ins aside): a row fed
         # n tokens fills at most n // block_size + 1 blocks.
-        self._block_batch = config.max_num_batched_tokens // config.block_size + config.max_num_seqs
+        self._block_batch = self.max_num_batched_tokens // self.block_size + self.max_num_seqs
         self.view = self._fresh_view()
 
     def empty_state(self):
         """A block manager with no sequence, replicated over the backend's mesh if it has one."""
-        state = init_state(self.cache_config, self.config.allocation_policy, debug=self.config.debug)
+        state = init_state(self.cache_config, self.config.cache.allocation_policy, debug=self.config.debug_checks)
         if self.backend.mesh is None:
             return state
         from paged_jax.parallel.sharding import replicate
@@ -467,7 +415,7 @@ class ModelRunner:
             leaves = [np.moveaxis(np.asarray(x), block_axis(data), 0) for x in jax.tree.leaves(data)]
             self.swap_pool.write(blocks.host_ids, leaves)
             swapped.append(blocks)
-        self.view = HostView.from_snapshot(snap, self.config.block_size)
+        self.view = HostView.from_snapshot(snap, self.block_size)
         tokens = np.zeros(len(plan.work), np.int32)
         logprobs = np.zeros(len(plan.work), np.float32)
         width = max((out.top_ids.shape[1] for out in host_outs if isinstance(out, _StepOut)), default=0)
@@ -497,7 +445,7 @@ class ModelRunner:
 
     def _spec_result(self, out: _VerifyOut, positions: list[int], num_work: int) -> dict:
         """The verification call's outputs scattered to the plan's work positions."""
-        n, k = len(positions), self.config.num_speculative_tokens
+        n, k = len(positions), self.num_speculative_tokens
         accepted = np.zeros(num_work, np.int32)
         spec_tokens = np.zeros((num_work, k + 1), np.int32)
         spec_logprobs = np.zeros((num_work, k + 1), np.float32)
@@ -522,7 +470,7 @@ class ModelRunner:
                 local[r, c] = lookup[int(b)]
         blocks = SwappedBlocks(self.swap_pool.reserve(len(distinct)), local,
                                [int(self.view.seq_lens[r]) for r in rows])
-        size = buckets.bucket(len(distinct), cap=self.config.num_blocks)
+        size = buckets.bucket(len(distinct), cap=self.num_blocks)
         ids = np.concatenate([distinct, np.full(size - len(distinct), distinct[-1])]).astype(np.int32)
         return blocks, _read_blocks(self.pages, ids)
 
@@ -530,7 +478,7 @@ class ModelRunner:
         released = plan.release + [r for rows in plan.swap_out for r in rows]
         if not (released or plan.select or plan.open or plan.fork or plan.unshare or plan.mark or plan.evict):
             return
-        size = self.config.max_num_seqs
+        size = self.max_num_seqs
 
         def pad(ids):
             return buckets.pad_ids(ids, size)
@@ -544,12 +492,12 @@ class ModelRunner:
 
         rows = [pad(released), pad([r for r, _ in plan.select]), pad([p for _, p in plan.select]), pad(plan.open)]
         forks = [pad([p for p, _ in plan.fork]), pad([c for _, c in plan.fork])]
-        if not self.config.prefix_caching:
+        if not self.prefix_caching:
             self.cache_state, (s_rel, s_sel, s_open, s_fork) = _housekeeping_jit(self.cache_state, *rows, *forks)
             statuses += [("release", rows[0], s_rel), ("select_parents", rows[1], s_sel),
                          ("open_sequences", rows[3], s_open), ("fork", forks[1], s_fork)]
         else:
-            prefix = np.full((size, self.config.max_blocks_per_seq), NO_BLOCK, np.int32)
+            prefix = np.full((size, self.max_blocks_per_seq), NO_BLOCK, np.int32)
             for i, blocks in enumerate(plan.prefix):
                 prefix[i, : len(blocks)] = blocks
             marks, evicts = pad_blocks(plan.mark), pad_blocks(plan.evict)
@@ -572,9 +520,9 @@ class ModelRunner:
             lens += item.blocks.lens
             tables.append(local)
             host_ids += item.blocks.host_ids
-        rows = buckets.bucket(len(slots), cap=self.config.max_num_seqs)
-        max_local = buckets.bucket(len(host_ids), cap=self.config.num_blocks)
-        width = self.config.max_blocks_per_seq
+        rows = buckets.bucket(len(slots), cap=self.max_num_seqs)
+        max_local = buckets.bucket(len(host_ids), cap=self.num_blocks)
+        width = self.max_blocks_per_seq
         local_tables = np.full((rows, width), NO_BLOCK, np.int32)
         local_tables[: len(slots)] = np.concatenate(tables)
         data = []
@@ -602,20 +550,20 @@ class ModelRunner:
         verify = [i for i, w in enumerate(work) if w.spec]
         chunks = [i for i, w in enumerate(work) if len(w.tokens) > 1 and not w.spec and plain[i]]
         if decode:
-            size = buckets.decode_rows(len(decode), self.config.decode_buckets)
+            size = buckets.decode_rows(len(decode), self.decode_buckets)
             outs.append(self._call("decode", [work[i] for i in decode], (size, 1), statuses))
             order.append(decode)
         if verify:
             outs.append(self._call_verify([work[i] for i in verify], statuses))
             order.append(verify)
-        area = buckets.prefill_area(self.config.max_num_batched_tokens)
+        area = buckets.prefill_area(self.max_num_batched_tokens)
         for rows, width, members in buckets.plan_prefill([len(work[i].tokens) for i in chunks], area,
-                                                          self.config.max_num_seqs):
+                                                          self.max_num_seqs):
             group = [chunks[m] for m in members]
             outs.append(self._call("prefill", [work[i] for i in group], (rows, width), statuses))
             order.append(group)
         for rows, width, members in buckets.plan_prefill([len(work[i].tokens) for i in prompt], area,
-                                                          self.config.max_num_seqs):
+                                                          self.max_num_seqs):
             group = [prompt[m] for m in members]
             outs.append(self._call("prefill", [work[i] for i in group], (rows, width), statuses, prompt=True))
             order.append(group)
@@ -650,10 +598,10 @@ class ModelRunner:
     def _call_verify(self, items: list[Work], statuses: list) -> _VerifyOut:
         """One speculative round for ``items`` (``Work.spec`` proposals each): rows padded
         to a power of two, width k + 1."""
-        k = self.config.num_speculative_tokens
+        k = self.num_speculative_tokens
         # Powers of two from 1, not decode's buckets from 8: a padding row costs k + 1
         # tokens here, so a lone row padded to 8 would compute 8x its tokens.
-        size = buckets.bucket(len(items), cap=self.config.max_num_seqs)
+        size = buckets.bucket(len(items), cap=self.max_num_seqs)
         tokens = np.zeros((size, k + 1), np.int32)
         num = np.zeros(size, np.int32)
         for i, w in enumerate(items):
@@ -711,10 +659,9 @@ class ModelRunner:
     def warmup_shapes(self) -> list[tuple[str, tuple[int, int]]]:
         """Every (program, shape) a plain step may call: the decode buckets, and
         ``buckets.prefill_shapes`` of the token budget."""
-        cfg = self.config
-        decode = cfg.decode_buckets
-        prefill = buckets.prefill_shapes(buckets.prefill_area(cfg.max_num_batched_tokens), cfg.max_num_seqs,
-                                         max_width=cfg.max_blocks_per_seq * cfg.block_size)
+        decode = self.decode_buckets
+        prefill = buckets.prefill_shapes(buckets.prefill_area(self.max_num_batched_tokens), self.max_num_seqs,
+                                         max_width=self.max_blocks_per_seq * self.block_size)
         return [("decode", (rows, 1)) for rows in decode] + [("prefill", shape) for shape in prefill]
 
     def warmup(self, shapes: list[tuple[str, tuple[int, int]]], on_shape: Callable | None = None) -> None:
@@ -750,7 +697,7 @@ class ModelRunner:
 
     def _fresh_view(self) -> HostView:
         """A view of the device state now (a sync: construction and debug checks only)."""
-        return HostView.from_snapshot(_snapshot(self.cache_state), self.config.block_size)
+        return HostView.from_snapshot(_snapshot(self.cache_state), self.block_size)
 
     def num_free_blocks(self) -> int:
         """Free blocks on the device now (a sync; for tests and reports)."""

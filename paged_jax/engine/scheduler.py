@@ -64,40 +64,12 @@ import numpy as np
 
 from paged_jax.cache import NO_BLOCK, HostView
 from paged_jax.config import blocks_for
+from paged_jax.engine.config import SchedulerConfig
 from paged_jax.engine.prefix_cache import PrefixCache
 from paged_jax.engine.runner import ModelRunner, SampleRow, StepPlan, SwapIn, Work
 from paged_jax.engine.sampling import BANNED, SEEN, as_token_ids
 from paged_jax.engine.sequence import FinishReason, SeqStatus, Sequence, SequenceGroup
-from paged_jax.engine.speculative import SpeculativeConfig, ngram_propose
-from paged_jax.engine.victim import VictimPolicy, get_victim_policy
-
-PREEMPTION_MODES = ("recompute", "swap")
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    block_size: int
-    preemption_mode: str = "recompute"
-    victim_policy: VictimPolicy | str = "most_recently_admitted"
-    admission_lookahead: int = 0  # steps of running sequences' growth kept free at admission
-    share_blocks: bool = True  # False: forks and beam selections copy every block (a baseline)
-    speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
-
-    def __post_init__(self):
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(
-                f"preemption_mode={self.preemption_mode!r}: unknown; choose one of {list(PREEMPTION_MODES)}"
-            )
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
-                f"max_num_seqs={self.max_num_seqs} (every running sequence decodes each step)"
-            )
-        if not isinstance(self.admission_lookahead, int) or self.admission_lookahead < 0:
-            raise ValueError(f"admission_lookahead={self.admission_lookahead!r}: must be an int >= 0")
-        object.__setattr__(self, "victim_policy", get_victim_policy(self.victim_policy))
+from paged_jax.engine.speculative import ngram_propose
 
 
 @dataclasses.dataclass

@@ -192,6 +192,7 @@ class SequenceGroup:
     prompt_text: str | None = None  # the prompt's text, when it came as text
     metrics: dict | None = None  # outputs.RequestMetrics' fields, filled in as the request runs
     prompt_logprobs: list[dict | None] | None = None  # set from params.prompt_logprobs (see above)
+    priority: int = 0  # the caller's (admission_policy="priority": lower is admitted sooner)
 
     def __post_init__(self):
         for seq in self.seqs:

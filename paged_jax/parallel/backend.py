@@ -9,8 +9,6 @@ empty pages directly in their sharding (no device ever holds the whole pool);
 
 from __future__ import annotations
 
-import os
-
 import jax
 from jax.sharding import Mesh
 
@@ -36,31 +34,14 @@ def resolve_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, mes
     return mesh
 
 
-def data_parallel_size(tensor_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None) -> int:
-    """d: how many replicas ``LLM`` with these arguments runs."""
-    if mesh is None:
-        return data_parallel_size
-    return mesh_sizes(check_mesh(mesh))[1]
-
-
-def check_supported(mesh: Mesh, *, model, speculative=None, preemption_mode: str = "recompute") -> None:
-    """ValueError for what a sharded replica does not run: a ``ModelBackend`` (its step
-    knows nothing of the mesh), a draft model (its heads would need their own layout),
-    swapping across processes (a swapped block's heads live on several hosts)."""
-    from paged_jax.engine.runner import ModelBackend
-
-    if isinstance(model, ModelBackend):
-        raise ValueError("a mesh (tensor_parallel_size > 1 or mesh=...) needs the model as a checkpoint directory "
-                         "or a ModelConfig, not a ModelBackend")
+def check_supported(mesh: Mesh, *, speculative=None, preemption_mode: str = "recompute") -> None:
+    """ValueError for what a sharded replica does not run: a draft model (its heads would
+    need their own layout), swapping across processes (a swapped block's heads live on
+    several hosts). The model's shape is ``sharding.check_model``'s."""
     if speculative is not None and speculative.method == "draft_model":
         raise ValueError("speculative method 'draft_model' is not supported on a mesh; use 'ngram'")
     if preemption_mode == "swap" and spans_processes(mesh):
         raise ValueError("preemption_mode='swap' is not supported on a mesh spanning processes; use 'recompute'")
-    t = mesh_sizes(mesh)[0]
-    if isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
-        model = ModelConfig.from_hf(model)
-    if isinstance(model, ModelConfig):
-        check_model(model, t)
 
 
 def shard_model(config: ModelConfig, params, mesh: Mesh, attention_impl: str):

@@ -81,7 +81,7 @@ def decode_hlo(llm) -> str:
     """Optimised HLO of replica 0's decode step at ``DECODE_ROWS`` rows (padding rows:
     the program is the one the runner compiles, no step runs)."""
     runner = llm.engine.runner
-    sampling = runner._sampling([], DECODE_ROWS)
+    sampling = runner.inputs.sampling([], DECODE_ROWS)
     lowered = runner._step.lower(runner.params, runner.cache_state, runner.pages,
                                  np.zeros((DECODE_ROWS, 1), np.int32), np.full(DECODE_ROWS, -1, np.int32),
                                  np.zeros(DECODE_ROWS, np.int32), sampling, None, num_top=0, prompt_top=0)

@@ -24,14 +24,15 @@ the price of a shape is elsewhere, and this study measures it:
 3. **Step time vs table width.** The same decode step (batch 16, every row holding the
    same tokens) at each width: ``"xla"`` attention (length-aware) reads only the blocks a
    row holds, ``"reference"`` gathers the whole width. Also the per-step host cost that
-   grows with width: the engine's snapshot of the tables (fetched every step) and its
-   ``HostView``.
+   grows with width: the engine's host model of the block manager
+   (``cache.HostBlockManager``) planning and replaying the step (a planning copy, the
+   appends' ``blocks_needed``, the append replayed).
 
 Headlines: ``recompiles_per_max_model_len_change`` (decode traces per width change),
 ``compile_s_per_width``, ``decode_bucket_compiles`` (batch 1..64), ``table_bytes_static_over_live``,
 ``table_bytes_pow2_over_live``, ``table_bytes_1p5x_over_live``, ``table_over_kv_bytes``,
 ``step_time_width_4x_over_1x_xla`` and ``..._reference`` (8x too in a full run),
-``snapshot_ms_width_4x_over_1x``.
+``host_model_ms_width_4x_over_1x``.
 
 Compile seconds are XLA compiling: JAX's persistent compilation cache (which ``LLM`` turns
 on) is off while the study runs. Timings come from a shared 2-core CPU machine: expect
@@ -56,13 +57,12 @@ from experiments.common import machine_info, print_headline, pyplot, write_json
 from paged_jax import workloads
 from paged_jax.buckets import bucket, decode_buckets, decode_rows, multiples_of, pad_decode
 from paged_jax.cache import (
-    HostView,
+    HostBlockManager,
     append_slots,
     init_state,
     open_sequences,
     raise_for_status,
     release,
-    snapshot,
 )
 from paged_jax.config import CacheConfig, blocks_for
 from paged_jax.kv import bytes_per_block
@@ -123,13 +123,12 @@ def _open_and_fill(state, ids, tokens, max_tokens: int):
 
 def step_per_width(cfg, params, impl: str, widths: list[int], rows: int, context: int, reps: int) -> list[dict]:
     """One fresh jit of the decode step per impl; per width: traces, first-call (compile)
-    seconds, the median steady step, and the snapshot + HostView cost of the tables.
+    seconds, the median steady step, and the host model's per-step cost at that width.
     Steady calls go round-robin over the widths, so machine noise falls on all of them."""
     traces: list[tuple[str, tuple]] = []
     fns = make_step_fns(cfg, attention_impl=impl, on_trace=lambda name, shape: traces.append((name, shape)))
     ids = jnp.arange(rows, dtype=jnp.int32)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, rows), jnp.int32)
-    snap = jax.jit(snapshot)
     boxes, first = {}, {}
     for width in widths:
         cc = _cache_config(width, rows, context + reps + 2)
@@ -141,7 +140,7 @@ def step_per_width(cfg, params, impl: str, widths: list[int], rows: int, context
         status = jax.block_until_ready(_decode(fns, params, boxes[width], tokens, ids))
         first[width] = (len(traces) - before, time.perf_counter() - t0)
         raise_for_status("decode", np.arange(rows), np.asarray(status))
-        HostView.from_snapshot(snap(boxes[width]["state"]), BLOCK_SIZE)  # compile the snapshot too
+        boxes[width]["host"] = HostBlockManager.from_state(boxes[width]["state"])
     step_s = {w: [] for w in widths}
     snap_s = {w: [] for w in widths}
     for _ in range(reps):
@@ -149,7 +148,9 @@ def step_per_width(cfg, params, impl: str, widths: list[int], rows: int, context
             t0 = time.perf_counter()
             jax.block_until_ready(_decode(fns, params, box, tokens, ids))
             t1 = time.perf_counter()
-            HostView.from_snapshot(snap(box["state"]), BLOCK_SIZE)  # fetches: the engine's per-step read
+            plan = box["host"].copy(elastic=True)  # the engine's per-step host work: plan, then replay
+            plan.blocks_needed(np.arange(rows), np.ones(rows, np.int32))
+            plan.apply("append_slots", (np.arange(rows), np.ones(rows, np.int32)), {"slots": False})
             step_s[width].append(t1 - t0)
             snap_s[width].append(time.perf_counter() - t1)
     out = []
@@ -159,11 +160,11 @@ def step_per_width(cfg, params, impl: str, widths: list[int], rows: int, context
         out.append({
             "impl": impl, "width_blocks": width, "max_model_len": width * BLOCK_SIZE, "rows": rows,
             "context": context, "traces": n_traces, "first_call_s": first_s, "compile_s": max(first_s - steady, 0.0),
-            "step_ms": steady * 1e3, "snapshot_ms": view * 1e3, "table_bytes": boxes[width]["table_bytes"],
+            "step_ms": steady * 1e3, "host_model_ms": view * 1e3, "table_bytes": boxes[width]["table_bytes"],
         })
         print(f"  {impl:>9} width {width:>4} blocks (max_model_len {width * BLOCK_SIZE:>5}): {n_traces} "
               f"trace(s), compile {out[-1]['compile_s']:.2f} s, step {steady * 1e3:.2f} ms, "
-              f"snapshot+view {view * 1e3:.3f} ms", flush=True)
+              f"host model {view * 1e3:.3f} ms", flush=True)
     return out
 
 
@@ -325,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict:
         "step_time_width_4x_over_1x_reference": ref[w4]["step_ms"] / ref[w1]["step_ms"],
         "step_time_width_8x_over_1x_xla": xla[w8]["step_ms"] / xla[w1]["step_ms"] if w8 in xla else None,
         "step_time_width_8x_over_1x_reference": ref[w8]["step_ms"] / ref[w1]["step_ms"] if w8 in ref else None,
-        "snapshot_ms_width_4x_over_1x": xla[w4]["snapshot_ms"] / xla[w1]["snapshot_ms"],
+        "host_model_ms_width_4x_over_1x": xla[w4]["host_model_ms"] / xla[w1]["host_model_ms"],
     }
     result = {
         "study": "table_growth", "machine": machine_info(), "quick": quick,

@@ -44,7 +44,7 @@ def decode_hlo(rep) -> str:
     """The optimised HLO of one replica's decode step (8 rows) as the runner compiles it."""
     runner = rep.runner
     rows = 8
-    sampling = runner._sampling([], rows)
+    sampling = runner.inputs.sampling([], rows)
     tokens = np.zeros((rows, 1), np.int32)
     ids = np.full(rows, -1, np.int32)
     lowered = runner._step.lower(runner.params, runner.cache_state, runner.pages, tokens, ids,

@@ -1,6 +1,8 @@
-"""Hypothesis drives random op sequences through the jitted block manager and the
-pure-Python reference, for every policy (and a non-deterministic one defined here),
-comparing everything observable after each step; check_invariants runs after every step."""
+"""Hypothesis drives random op sequences through the jitted block manager and its host
+model (``cache.HostBlockManager``: the oracle, and the engine's view), for every
+registered policy (and one defined here without a host counterpart), comparing everything
+observable after each step, the free pool's order included; check_invariants runs after
+every step."""
 
 import functools
 
@@ -14,6 +16,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from paged_jax import CacheConfig
 from paged_jax.cache import (
+    POLICIES,
+    HostBlockManager,
     Status,
     append_slots,
     check_invariants,
@@ -30,8 +34,7 @@ from paged_jax.cache import (
     unshare,
 )
 from paged_jax.cache import ops as cache_ops
-from paged_jax.cache.policies import AllocationPolicy, MaskPool, _ranks, lowest_id_first
-from paged_jax.cache.reference import ReferenceBlockManager, ReferenceFreeList
+from paged_jax.cache.policies import AllocationPolicy, DeviceOnHost, MaskPool, _ranks, lowest_id_first
 
 BATCH = 4  # every op is called with this many entries, padded with -1: one trace per op
 MAX_TOKENS = 5
@@ -67,23 +70,16 @@ def pad(values, fill=-1):
     return jnp.asarray(list(values) + [fill] * (BATCH - len(values)), jnp.int32)
 
 
-def device_allocated_ids(before, after, ids_, nums, copy_dst):
-    """Ids the device handed out, in allocation order (for the random policy's oracle)."""
-    bs = before.block_size
-    lens, table = np.asarray(before.seq_lens), np.asarray(after.block_tables)
-    out = []
-    for i, (s, n) in enumerate(zip(ids_, nums)):
-        if not 0 <= s < MAX_SEQS or n <= 0:
-            continue
-        if int(copy_dst[i]) >= 0:
-            out.append(int(copy_dst[i]))
-        old, new = -(-int(lens[s]) // bs), -(-(int(lens[s]) + n) // bs)
-        out.extend(int(b) for b in table[s, old:new])
-    return out
+class Oracle(HostBlockManager):
+    """The host model with the set/dict views the rules below draw from."""
 
+    @property
+    def tables(self) -> dict[int, list[int]]:
+        return {int(r): self._row(int(r)) for r in np.flatnonzero(self.active)}
 
-def device_restored_ids(ids_, num_local):
-    return [int(b) for b in np.asarray(ids_)[:num_local]]
+    @property
+    def cached_set(self) -> set[int]:
+        return set(np.flatnonzero(self.cached).tolist())
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -98,11 +94,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         # The machine's @invariant runs check_invariants after every step itself; tracing
         # the ops without the debug callback keeps their compiles cheap.
         self.state = init_state(config, self.policy, debug=False)
-        self.ref = ReferenceBlockManager(num_blocks, block_size, MAX_SEQS, max_blocks_per_seq, self.policy)
+        self.ref = Oracle(config, self.policy)
         self.ops = jitted()
 
     def _step(self, before, after, status, ref_status):
-        assert np.asarray(status)[: len(ref_status)].tolist() == [int(s) for s in ref_status]
+        ref_status = np.asarray(ref_status).tolist()
+        assert np.asarray(status)[: len(ref_status)].tolist() == ref_status
         assert (np.asarray(status)[len(ref_status):] == Status.OK).all()  # padding is always OK
         if any(s != Status.OK for s in ref_status):
             # Rejected: the state is exactly what it was.
@@ -140,7 +137,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             width = self.shape[2]
             rows = list(prefix) + [[-1] * width] * (BATCH - len(prefix))
             new, status = self.ops["open"](self.state, pad(s), jnp.asarray(rows, jnp.int32))
-        ref_status = self.ref.open_sequences(s, prefix)
+        ref_status = self.ref.open_sequences(s, prefix).tolist()
         self._step(self.state, new, status, ref_status)
         return ref_status
 
@@ -166,18 +163,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def mark(self, data):
-        referenced = {b for b in range(self.shape[0]) if self.ref.counts[b] >= 1} - self.ref.cached
+        referenced = {b for b in range(self.shape[0]) if self.ref.ref_counts[b] >= 1} - self.ref.cached_set
         self._apply_mark(self._block_ids(data, referenced))
 
     @rule(data=st.data())
     def evict(self, data):
-        if self.ref.cached and data.draw(st.booleans()):  # a cached block's rows end: it becomes cached-free
-            block = data.draw(st.sampled_from(sorted(self.ref.cached)))
-            holders = [r for r in sorted(self.ref.tables) if block in self.ref.tables[r]][:BATCH]
+        cached = self.ref.cached_set
+        if cached and data.draw(st.booleans()):  # a cached block's rows end: it becomes cached-free
+            block = data.draw(st.sampled_from(sorted(cached)))
+            tables = self.ref.tables
+            holders = [r for r in sorted(tables) if block in tables[r]][:BATCH]
             if holders:
                 self._apply_release(holders)
-        idle = {b for b in self.ref.cached if self.ref.counts[b] == 1}
-        self._apply_evict(self._block_ids(data, idle if data.draw(st.integers(0, 3)) else self.ref.cached))
+        cached = self.ref.cached_set
+        idle = {b for b in cached if self.ref.ref_counts[b] == 1}
+        self._apply_evict(self._block_ids(data, idle if data.draw(st.integers(0, 3)) else cached))
 
     @rule(data=st.data())
     def cache_lifecycle(self, data):
@@ -186,18 +186,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not self.ref.tables:
             return
         row = data.draw(st.sampled_from(sorted(self.ref.tables)))
-        blocks = [b for b in self.ref.tables[row] if b not in self.ref.cached][:BATCH]
+        blocks = [b for b in self.ref.tables[row] if b not in self.ref.cached_set][:BATCH]
         if blocks:
             self._apply_mark(blocks)
         chain = list(self.ref.tables[row])
         self._apply_release([row])
-        idle = [b for b in chain if b in self.ref.cached and self.ref.counts[b] == 1]
+        idle = [b for b in chain if b in self.ref.cached_set and self.ref.ref_counts[b] == 1]
         gone = data.draw(st.permutations(idle))[: data.draw(st.integers(0, min(len(idle), BATCH)))]
         if gone:
             self._apply_evict(gone)
         kept = []
         for b in chain:  # the hit: the chain up to its first evicted block
-            if b not in self.ref.cached:
+            if b not in self.ref.cached_set:
                 break
             kept.append(b)
         assert self._apply_open([row], [kept + [-1] * (self.shape[2] - len(kept))]) == [Status.OK]
@@ -209,7 +209,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         but a cached block is never written in place."""
         s = self._ids(data, live=False)
         width = self.shape[2]
-        cached = sorted(self.ref.cached)
+        cached = sorted(self.ref.cached_set)
         rows = []
         for _ in s:
             if data.draw(st.integers(0, 7)) == 0:  # arbitrary entries: BAD_TABLE paths
@@ -235,15 +235,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def _apply_append(self, s, nums):
         needed = self.ops["blocks_needed"](self.state, pad(s), pad(nums, 0))
         new, out = self.ops["append"](self.state, pad(s), pad(nums, 0))
-        device_ids = None
-        if not self.policy.deterministic:
-            device_ids = device_allocated_ids(self.state, new, s, nums, out.copy_dst)
-        ref_need = self.ref.blocks_needed(s, nums)
-        ref_status, ref_slots, ref_copies = self.ref.append_slots(s, nums, MAX_TOKENS, device_ids)
+        ref_need = self.ref.blocks_needed(s, nums).tolist()
+        ref_status, ref_slots, ref_copies = self.ref.append_slots(s, nums, max_tokens=MAX_TOKENS)
         self._step(self.state, new, out.status, ref_status)
-        if all(x == Status.OK for x in ref_status):
-            assert np.asarray(needed)[: len(s)].tolist() == ref_need
-        assert np.asarray(out.slot_mapping)[: len(s)].tolist() == ref_slots
+        assert np.asarray(needed)[: len(s)].tolist() == ref_need
+        assert np.asarray(out.slot_mapping)[: len(s)].tolist() == ref_slots.tolist()
         src, dst = np.asarray(out.copy_src), np.asarray(out.copy_dst)
         assert [(int(a), int(b)) for a, b in zip(src, dst) if a >= 0] == ref_copies
         assert ((src >= 0) == (dst >= 0)).all()
@@ -257,7 +253,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def _apply_fork(self, parents, children):
         new, status = self.ops["fork"](self.state, pad(parents), pad(children))
-        ref_status = self.ref.fork(parents, children)
+        ref_status = self.ref.fork(parents, children).tolist()
         self._step(self.state, new, status, ref_status)
         return ref_status
 
@@ -267,14 +263,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def _apply_release(self, s):
         new, status = self.ops["release"](self.state, pad(s))
-        ref_status = self.ref.release(s)
+        ref_status = self.ref.release(s).tolist()
         self._step(self.state, new, status, ref_status)
         return ref_status
 
     @rule(data=st.data())
     def truncate(self, data):
         s = self._ids(data, live=True)
-        lens = [data.draw(st.integers(-1, self.ref.lens.get(x, 12) + 1)) for x in s]
+        held = {r: int(self.ref.seq_lens[r]) for r in self.ref.tables}
+        lens = [data.draw(st.integers(-1, held.get(x, 12) + 1)) for x in s]
         new, status = self.ops["truncate"](self.state, pad(s), pad(lens, 0))
         self._step(self.state, new, status, self.ref.truncate(s, lens))
 
@@ -287,7 +284,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def _apply_select(self, s, parents):
         new, status = self.ops["select"](self.state, pad(s), pad(parents))
-        ref_status = self.ref.select_parents(s, parents)
+        ref_status = self.ref.select_parents(s, parents).tolist()
         self._step(self.state, new, status, ref_status)
         return ref_status
 
@@ -298,8 +295,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def _apply_unshare(self, s):
         new, out = self.ops["unshare"](self.state, pad(s))
         src, dst = np.asarray(out.copy_src), np.asarray(out.copy_dst)
-        device_ids = None if self.policy.deterministic else [int(b) for b in dst if b >= 0]
-        ref_status, ref_copies = self.ref.unshare(s, device_ids)
+        ref_status, ref_copies = self.ref.unshare(s)
         self._step(self.state, new, out.status, ref_status)
         assert [(int(a), int(b)) for a, b in zip(src, dst) if a >= 0] == ref_copies
         assert ((src >= 0) == (dst >= 0)).all()
@@ -311,7 +307,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         one call, so copy-on-write of a shared partly filled block is exercised, including
         the last sharer keeping the block; sometimes release the family together."""
         live = sorted(self.ref.tables)
-        free = [s for s in range(MAX_SEQS) if s not in self.ref.tables]
+        free = [s for s in range(MAX_SEQS) if s not in live]
         if not live or not free:
             return
         parent = data.draw(st.sampled_from(live))
@@ -342,21 +338,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self._apply_fork([seed] * len(children), children)
             family = [seed] + children
             self._apply_append(family, data.draw(st.lists(st.integers(0, 2), min_size=len(family), max_size=len(family))))
-        live = sorted(self.ref.tables)
+        tables = self.ref.tables
+        live = sorted(tables)
         if data.draw(st.integers(0, 3)):
-            kin = [s for s in live if s != seed and set(self.ref.tables[s]) & set(self.ref.tables[seed])]
+            kin = [s for s in live if s != seed and set(tables[s]) & set(tables[seed])]
             group = [seed] + data.draw(st.permutations(kin))[: BATCH - 1]
         else:
             group = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=BATCH, unique=True))
         self._swap_group(data, data.draw(st.permutations(group)))
 
     def _swap_group(self, data, group):
-        lens = [self.ref.lens[s] for s in group]
+        lens = [int(self.ref.seq_lens[s]) for s in group]
         local_of: dict[int, int] = {}
         width = self.shape[2]
-        tables = []
+        tables, held = [], self.ref.tables
         for s in group:
-            row = [local_of.setdefault(b, len(local_of)) for b in self.ref.tables[s]]
+            row = [local_of.setdefault(b, len(local_of)) for b in held[s]]
             tables.append(row + [-1] * (width - len(row)))
         num_local = len(local_of)
         self._apply_release(group)
@@ -385,12 +382,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         new, ids_, status = self.ops["restore"](
             self.state, pad(ids), pad(lens), jnp.asarray(tables, jnp.int32), jnp.int32(num_local)
         )
-        device_ids = None
-        if not self.policy.deterministic:
-            device_ids = device_restored_ids(ids_, num_local)
-        ref_status, ref_ids = self.ref.restore_rows(ids, lens, tables, num_local, MAX_LOCAL, device_ids)
+        ref_status, ref_ids = self.ref.restore_rows(ids, lens, tables, num_local, max_local=MAX_LOCAL)
         self._step(self.state, new, status, ref_status)
-        assert np.asarray(ids_).tolist() == ref_ids
+        assert np.asarray(ids_).tolist() == ref_ids.tolist()
         return ref_status, ref_ids
 
     @invariant()
@@ -398,13 +392,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not hasattr(self, "state"):
             return
         check_invariants(self.state)
-        tables, lens, counts, free = self.ref.snapshot()
-        np.testing.assert_array_equal(self.state.block_tables, tables)
-        np.testing.assert_array_equal(self.state.seq_lens, lens)
-        np.testing.assert_array_equal(self.state.active, [s in self.ref.tables for s in range(MAX_SEQS)])
-        np.testing.assert_array_equal(self.state.ref_counts, counts)
-        np.testing.assert_array_equal(self.state.cached, [b in self.ref.cached for b in range(self.shape[0])])
-        np.testing.assert_array_equal(self.policy.free_blocks(self.state.pool), free)
+        assert self.ref.mismatch(self.state) is None, self.ref.mismatch(self.state)
+        # The host model built from the device state equals the one that ran the ops.
+        assert HostBlockManager.from_state(self.state).mismatch(self.state) is None
 
 
 def run_machine(policy, shape, max_examples=20):
@@ -421,16 +411,16 @@ def run_machine(policy, shape, max_examples=20):
 
 
 @pytest.mark.parametrize("shape", [(9, 2, 5), (12, 4, 3)], ids=["bs2", "bs4"])
-@pytest.mark.parametrize("policy_name", ["lifo", "fifo", "lowest_id_first", "random"])
-def test_block_manager_matches_reference(policy_name, shape):
+@pytest.mark.parametrize("policy_name", sorted(POLICIES))
+def test_block_manager_matches_its_host_model(policy_name, shape):
     run_machine(policy_name, shape)
 
 
 @functools.cache
 def highest_id_first() -> AllocationPolicy:
     """A policy of the test's own: the highest free id first, over the address-order
-    bitmap. Marked ``deterministic=False``, so the reference follows the device's choices
-    (checking each was free) instead of predicting them."""
+    bitmap, with no host counterpart: the host model runs its own functions one block at a
+    time (``DeviceOnHost``), which predicts it exactly because batched = sequential."""
     base = lowest_id_first()
 
     def allocate(pool, want):
@@ -442,17 +432,9 @@ def highest_id_first() -> AllocationPolicy:
         is_free = pool.is_free.at[jnp.where(want & ok, ids, n)].set(False, mode="drop")
         return MaskPool(is_free, pool.num_free - jnp.where(ok, total, 0)), ids, ok
 
-    return base._replace(name="highest_id_first", allocate=allocate, deterministic=False)
+    return base._replace(name="highest_id_first", allocate=allocate, host_from=None)
 
 
-def test_a_custom_nondeterministic_policy_is_followed_by_the_reference():
+def test_a_policy_without_a_host_counterpart_is_predicted_by_its_own_functions():
+    assert isinstance(highest_id_first().host(8), DeviceOnHost)
     run_machine(highest_id_first(), (9, 2, 5), max_examples=10)
-
-
-def test_the_reference_refuses_a_deterministic_policy_it_cannot_predict():
-    with pytest.raises(ValueError, match="mark it deterministic=False"):
-        ReferenceFreeList(highest_id_first()._replace(deterministic=True), 8)
-    free = ReferenceFreeList(highest_id_first(), 8)
-    assert free.pop(7) == 7 and free.ordered() == list(range(7))
-    with pytest.raises(KeyError):
-        free.pop(7)  # the device handed out a block that was not free

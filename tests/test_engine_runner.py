@@ -1,8 +1,7 @@
 """The runner owns the step: one device fetch per engine step, and the group-aware block
-counting the scheduler does on the runner's host view (hand-made shared tables)."""
+counting the scheduler does on the host model of the block manager (hand-made shared tables)."""
 
 import contextlib
-import dataclasses
 
 import jax
 import numpy as np
@@ -10,11 +9,14 @@ import pytest
 from engine_fakes import VOCAB, fake_backend
 from jax._src import array as jax_array
 
-from paged_jax.cache import NO_BLOCK, HostView
+from paged_jax import CacheConfig
+from paged_jax.cache import NO_BLOCK, HostBlockManager
+from paged_jax.cache.policies import HostStack
 from paged_jax.engine import LLM, SamplingParams
 from paged_jax.engine.accounting import PagedAccounting
-from paged_jax.engine.runner import StepPlan
-from paged_jax.engine.scheduler import Scheduler, SchedulerConfig
+from paged_jax.engine.config import SchedulerConfig
+from paged_jax.engine.interface import SchedulerOutput
+from paged_jax.engine.scheduler import Scheduler
 from paged_jax.engine.sequence import Sequence, SequenceGroup
 
 BS = 4
@@ -90,8 +92,8 @@ def test_one_device_fetch_per_engine_step(mode):
 # ----------------------------------------------------------------------------- group-aware accounting
 
 
-class _StubRunner:
-    """Just what the scheduler reads: a hand-made view and a swap pool's capacity."""
+class _StubKV:
+    """Just what the scheduler reads: a hand-made host model and a swap pool's capacity."""
 
     class _Pool:
         def __init__(self, free):
@@ -100,18 +102,25 @@ class _StubRunner:
         def can_store(self, n):
             return n <= self.free
 
-    def __init__(self, view, swap_free=100):
-        self.view = view
+    def __init__(self, blocks, swap_free=100):
+        self.blocks = blocks
+        self.prefix_cache = None
         self.swap_pool = self._Pool(swap_free)
 
 
 def _view(tables, lens, num_free):
+    """A host model holding ``tables`` (rows of block ids) and ``num_free`` more free blocks."""
     tables = np.asarray(tables, np.int32)
     named = tables[tables != NO_BLOCK]
-    counts = np.bincount(named, minlength=64)
-    entry = np.where(tables != NO_BLOCK, counts[np.maximum(tables, 0)], 0).astype(np.int32)
-    return HostView(block_size=BS, block_tables=tables, entry_counts=entry, seq_lens=np.asarray(lens, np.int32),
-                    active=np.asarray(lens) > 0, num_free=num_free)
+    n = int(named.max()) + 1 + num_free
+    view = HostBlockManager(CacheConfig(n, BS, max_seqs=4, max_blocks_per_seq=tables.shape[1]))
+    view.block_tables[: len(tables)] = tables
+    view.seq_lens[: len(lens)] = lens
+    view.active[: len(lens)] = np.asarray(lens) > 0
+    view.ref_counts[:] = np.bincount(named, minlength=n)
+    free = [b for b in range(n) if view.ref_counts[b] == 0][::-1]
+    view.pool = HostStack(np.asarray(free + [0] * (n - len(free)), np.int32), len(free))
+    return view
 
 
 def _group(rid, slots, lens, admitted):
@@ -126,7 +135,7 @@ def _group(rid, slots, lens, admitted):
 
 def _scheduler(view, mode="recompute", swap_free=100):
     cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, block_size=BS, preemption_mode=mode)
-    sched = Scheduler(cfg, _StubRunner(view, swap_free), PagedAccounting(32, BS, watermark=0.0),
+    sched = Scheduler(cfg, _StubKV(view, swap_free), PagedAccounting(32, BS, watermark=0.0),
                       swapping=mode == "swap")
     sched._free_slots = [3]
     return sched
@@ -149,15 +158,16 @@ def test_victim_sees_shared_blocks_counted_once_and_preemption_frees_only_privat
     step = sched.schedule()
     assert sorted((i.request_id, i.num_blocks, i.num_seqs) for i in infos) == [("a", 3, 2), ("b", 2, 1)]
     # "a" (3 distinct blocks, all its own) is preempted whole: both rows released at once.
-    assert sorted(step.plan.release) == [0, 1] and sched.waiting[0] is a
+    assert sorted(step.release) == [0, 1] and sched.waiting[0] is a
     assert all(s.num_computed == 0 and s.slot is None for s in a.seqs)
     # "b" decodes into the 3 blocks "a" freed: its append needs a new block (8 tokens = 2 full).
-    assert [w.slot for w in step.plan.work] == [2]
-    assert sched.runner.view.released([0, 1]).num_free == 3
+    assert [r.seq.slot for r in step.rows] == [2]
+    assert sched.kv.blocks.released([0, 1]).num_free == 3
 
 
 def test_appends_into_a_shared_partial_block_count_copy_on_write():
-    view = _view([[0, 1, NO_BLOCK], [0, 1, NO_BLOCK], [3, NO_BLOCK, NO_BLOCK]], [6, 6, 3], num_free=2)
+    tables = [[0, 1, NO_BLOCK], [0, 1, NO_BLOCK], [2, NO_BLOCK, NO_BLOCK]]
+    view = _view(tables, [6, 6, 3], num_free=2)
     # Rows 0 and 1 share the partly filled block 1 (count 2): appending to both takes one
     # private copy (the other keeps the block), so 1 block; row 2 fits in its own block.
     assert view.blocks_needed([0, 1, 2], [1, 1, 1]).tolist() == [1, 0, 0]
@@ -166,13 +176,13 @@ def test_appends_into_a_shared_partial_block_count_copy_on_write():
     sched = _scheduler(view)
     sched.running = [a, b]
     step = sched.schedule()
-    assert not step.plan.release and len(step.plan.work) == 3  # fits: nobody preempted
+    assert not step.release and len(step.rows) == 3  # fits: nobody preempted
     # No free block: the copy cannot be made. The most recent request ("b") goes, which
-    # frees its private block 3, and then "a"'s copy fits.
-    tight = _scheduler(dataclasses.replace(view, num_free=0))
+    # frees its private block 2, and then "a"'s copy fits.
+    tight = _scheduler(_view(tables, [6, 6, 3], num_free=0))
     tight.running = [a, b]
     step = tight.schedule()
-    assert step.plan.release == [2] and [w.slot for w in step.plan.work] == [0, 1]
+    assert step.release == [2] and [r.seq.slot for r in step.rows] == [0, 1]
 
 
 def test_swap_out_of_a_group_stores_each_shared_block_once():
@@ -182,15 +192,15 @@ def test_swap_out_of_a_group_stores_each_shared_block_once():
     sched = _scheduler(view, mode="swap", swap_free=3)
     sched.running = [b, a]
     step = sched.schedule()
-    assert step.plan.swap_out == [[0, 1]] and sched.swapped[0] is a and not step.plan.release
+    assert step.swap_out == [[0, 1]] and sched.swapped[0] is a and not step.release
     assert sched.counters.blocks_swapped_out == 3 and sched.counters.swap_fallbacks == 0
     # Too small a host pool: the group is recomputed instead.
     fallback = _scheduler(view, mode="swap", swap_free=2)
     a, b = _group("a", [0, 1], [6, 9], admitted=2), _group("b", [2], [8], admitted=1)
     fallback.running = [b, a]
     step = fallback.schedule()
-    assert sorted(step.plan.release) == [0, 1] and fallback.counters.swap_fallbacks == 1
+    assert sorted(step.release) == [0, 1] and fallback.counters.swap_fallbacks == 1
 
 
 def test_plan_is_empty_until_something_is_planned():
-    assert StepPlan().empty and not StepPlan(release=[1]).empty
+    assert SchedulerOutput().empty and not SchedulerOutput(release=[1]).empty

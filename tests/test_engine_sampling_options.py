@@ -245,7 +245,7 @@ def test_rows_with_processing_do_not_speculate_and_match_plain_decoding():
 
     def spy():
         step = schedule()
-        plan_rows.extend((s.params, w.spec) for s, w in zip(step.seqs, step.plan.work, strict=True))
+        plan_rows.extend((r.seq.params, r.spec) for r in step.rows)
         return step
 
     spec.engine.scheduler.schedule = spy

@@ -14,7 +14,7 @@ from paged_jax.cache import check_invariants, fork, init_state, open_sequences
 from paged_jax.config import CacheConfig
 from paged_jax.engine import LLM, SamplingParams
 from paged_jax.engine.beam import BeamSearchParams
-from paged_jax.engine.runner import _fused_verify
+from paged_jax.engine.programs import fused_verify
 from paged_jax.engine.sampling import sample, sampling_probs
 from paged_jax.engine.speculative import SpeculativeConfig, ngram_propose, verify
 from tests.engine_fakes import VOCAB, fake_backend
@@ -198,7 +198,7 @@ def test_verification_rolls_back_without_touching_shared_blocks():
     before = jax.tree.map(np.asarray, pages)
     free_before = int(state.ref_counts.size - (np.asarray(state.ref_counts) > 0).sum())
 
-    verify_fn = _fused_verify(step, None)
+    verify_fn = fused_verify(step, None)
     k = 5
     tokens = np.zeros((8, k + 1), np.int32)
     tokens[0] = [11, 1, 2, 3, 4, 5]

@@ -8,8 +8,8 @@ free pool. Every op is a pure function returning a new state and a status array.
 # Prefix caching (host side): eviction policies and the index of cached blocks.
 from paged_jax.cache.eviction import EVICTION_POLICIES, EvictionPolicy, EvictionState, get_eviction_policy
 
-# The host-side view for scheduling decisions, and the invariant checks.
-from paged_jax.cache.host_view import HostView, Snapshot, host_view, snapshot
+# The host model (the scheduler's view and the test oracle), and the invariant checks.
+from paged_jax.cache.host import HostBlockManager, PlanningError
 from paged_jax.cache.invariants import InvariantError, check_invariants
 
 # Operations: each returns (new state, ...) plus a status array; atomic.
@@ -35,6 +35,7 @@ from paged_jax.cache.ops import (
 from paged_jax.cache.policies import (
     POLICIES,
     AllocationPolicy,
+    HostPool,
     fifo,
     get_policy,
     lifo,
@@ -61,11 +62,11 @@ __all__ = [
     "EVICTION_POLICIES", "EvictionPolicy", "EvictionState", "HASH_FUNCTIONS", "HashFunction", "PrefixIndex",
     "block_keys", "get_eviction_policy", "get_hash",
     "NO_BLOCK", "NO_SEQ", "NO_SLOT",
-    "AllocationPolicy", "AppendResult", "CacheOpError", "CacheState", "HostView", "InvariantError",
-    "POLICIES", "Snapshot", "Status", "append_slots", "blocks_needed", "check_invariants",
+    "AllocationPolicy", "AppendResult", "CacheOpError", "CacheState", "HostBlockManager", "HostPool",
+    "InvariantError", "POLICIES", "PlanningError", "Status", "append_slots", "blocks_needed", "check_invariants",
     "evict_cached", "mark_cached", "num_cached_free",
-    "fifo", "fork", "get_policy", "host_view", "init_state", "lifo",
+    "fifo", "fork", "get_policy", "init_state", "lifo",
     "lowest_id_first", "num_free_blocks", "open_sequences", "raise_for_status", "random",
-    "release", "restore_rows", "select_parents", "set_debug_checks", "snapshot", "truncate",
+    "release", "restore_rows", "select_parents", "set_debug_checks", "truncate",
     "unshare", "UnshareResult", "with_debug_checks",
 ]

@@ -253,7 +253,7 @@ def _plan_append(
     real,
 ) -> _AppendPlan:
     """The append arithmetic, once, over an array namespace: ``jax.numpy`` in the jitted
-    ops, ``numpy`` in ``host_view`` (which must agree with them exactly).
+    ops, ``numpy`` in the host model (``host.py``, which must agree with them exactly).
 
     seq_lens: int32[S]; block_tables: int32[S, P]; seq_ids, num_tokens: int32[B];
     real: bool[B] (id in range). ``count_at(rows, cols) -> int[B]``: the ref count of the
@@ -458,7 +458,7 @@ def evict_cached(state: CacheState, block_ids: jax.Array) -> tuple[CacheState, j
 
 def num_cached_free(state: CacheState) -> jax.Array:
     """int32[]: cached blocks no table names (reclaimable by ``evict_cached``). O(num_blocks),
-    a reduction: once per engine step, in the snapshot."""
+    a reduction."""
     return jnp.sum(state.cached & (state.ref_counts == 1), dtype=jnp.int32)
 
 

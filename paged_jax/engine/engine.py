@@ -6,9 +6,10 @@ the stats together; ``LLM`` (``llm.py``) is the offline front end over one or mo
 (data-parallel replicas), and a server drives one the same way. A step:
 
 1. ``Scheduler.schedule`` plans the step: releases, preemptions, swaps, admissions and
-   the tokens each running sequence feeds (``StepPlan``).
+   the tokens each running sequence feeds (``interface.SchedulerOutput``).
 2. ``ModelRunner.run`` executes the plan and brings back the sampled tokens, their
-   log-probabilities and the block manager's state in one device fetch.
+   log-probabilities in one device fetch, and advances the engine's host model of the
+   block manager (``KVCacheManager``) through the same ops.
 3. ``postprocess`` appends the tokens, decides who finished; the scheduler releases their
    rows at the start of the next step (``flush`` does it when no step follows).
 """
@@ -22,27 +23,31 @@ import jax
 import numpy as np
 
 from paged_jax.backend import ModelBackend, build_backend
+from paged_jax.cache.sentinels import NO_BLOCK
 from paged_jax.engine import beam as beam_lib
 from paged_jax.engine.accounting import make_accounting
 from paged_jax.engine.config import EngineConfig
+from paged_jax.engine.interface import SchedulerOutput, StepResult
+from paged_jax.engine.kv_cache_manager import KVCacheManager
 from paged_jax.engine.outputs import request_output
-from paged_jax.engine.prefix_cache import PrefixCache, PrefixCacheCounters
-from paged_jax.engine.runner import NAN_TOKEN, ModelRunner, StepResult
+from paged_jax.engine.prefix_cache import PrefixCacheCounters
+from paged_jax.engine.programs import NAN_TOKEN
+from paged_jax.engine.runner import ModelRunner
 from paged_jax.engine.sampling import Logprob, as_token_ids
-from paged_jax.engine.scheduler import ScheduledStep, Scheduler, SchedulerCounters
+from paged_jax.engine.scheduler import Scheduler, SchedulerCounters
 from paged_jax.engine.sequence import FinishReason, SeqStatus, Sequence, SequenceGroup
 from paged_jax.engine.stats import EngineStats
 from paged_jax.engine.text_output import TextOutputs
 
 
-def _prefill_tokens(step: ScheduledStep) -> int:
+def _prefill_tokens(output: SchedulerOutput) -> int:
     """Tokens a step feeds that are not decodes: prompt tokens and recomputed outputs.
     A row's fed token is a decode when it is the newest sampled token."""
     total = 0
-    for seq, work in zip(step.seqs, step.plan.work, strict=True):
-        if work.spec:  # a speculative round feeds the newest token and proposals
+    for row in output.rows:
+        if row.spec:  # a speculative round feeds the newest token and proposals
             continue
-        n = len(work.tokens)
+        seq, n = row.seq, row.num_tokens
         decode = seq.num_computed + n == seq.num_tokens and seq.output_token_ids
         total += n - bool(decode)
     return total
@@ -67,7 +72,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, backend: ModelBackend):
         self.config = config
-        self.runner = ModelRunner(backend, config)
+        self.kv = KVCacheManager(config, jax.eval_shape(lambda: backend.init_pages(config.cache.num_blocks)))
+        self.runner = ModelRunner(backend, config, self.kv)
         self.scheduler = self._new_scheduler()
         self.tokenizer = config.model.tokenizer
         self.text = None if self.tokenizer is None else TextOutputs(self.tokenizer)
@@ -85,15 +91,10 @@ class LLMEngine:
         return cls(config, backend)
 
     def _new_scheduler(self) -> Scheduler:
-        """A scheduler with empty queues over the runner's state (construction, ``reset``)."""
+        """A scheduler with empty queues over the KV-cache manager (construction, ``reset``)."""
         cfg = self.config
-        prefix_cache = None
-        if cfg.cache.prefix_caching:
-            prefix_cache = PrefixCache(cfg.cache.num_blocks, cfg.cache.block_size, hash_fn=cfg.cache.prefix_cache_hash,
-                                       eviction_policy=cfg.cache.eviction_policy)
         swapping = cfg.scheduler.preemption_mode == "swap" and cfg.cache.mode == "paged"
-        return Scheduler(cfg.scheduler, self.runner, make_accounting(cfg), swapping=swapping,
-                         prefix_cache=prefix_cache)
+        return Scheduler(cfg.scheduler, self.kv, make_accounting(cfg), swapping=swapping)
 
     def add(self, group: SequenceGroup) -> None:
         self.scheduler.add(group)
@@ -147,29 +148,30 @@ class LLMEngine:
     def _step(self) -> list[Sequence]:
         start = time.perf_counter()
         compiled_before = self.runner.compile_seconds
-        step = self.scheduler.schedule()
-        if not step.plan.work:
+        output = self.scheduler.schedule()
+        if not output.rows:
             raise RuntimeError(
                 "scheduler made no progress: nothing runs although requests remain "
                 f"(waiting={len(self.scheduler.waiting)}, swapped={len(self.scheduler.swapped)})"
             )
         t_sched = time.perf_counter()
-        prefilled = _prefill_tokens(step)
-        result = self.runner.run(step.plan)
+        prefilled = _prefill_tokens(output)
+        result = self.runner.run(output)
         t_run = time.perf_counter()
-        finished, ended, generated = self.postprocess(step, result)
+        finished, ended, generated = self.postprocess(output, result)
         # Measured after the appends, before the finished release their blocks; cached-free
         # blocks (prefix caching) are reclaimable, so not allocated.
-        allocated = self.runner.num_blocks - result.view.num_available
+        blocks = self.kv.blocks
+        allocated = self.runner.num_blocks - blocks.num_available
         charged = self.scheduler.accounting.charged_blocks(allocated)
         tokens_held = sum(s.num_computed for g in self.scheduler.running for s in g.seqs if s.row_live)
-        unshared, per_request = self._sharing(result.view)
+        unshared, per_request = self._sharing(blocks)
         self.scheduler.finish(finished, ended)
         if self.debug_checks:
             self.check()
         end = time.perf_counter()
         self.stats.record_step(
-            batch=len(step.plan.work),
+            batch=len(output.rows),
             generated=generated,
             prefilled=prefilled,
             tokens_held=tokens_held,
@@ -180,45 +182,46 @@ class LLMEngine:
             compile_seconds=self.runner.compile_seconds - compiled_before,
             unshared_blocks=unshared,
             request_blocks=per_request,
-            speculated=sum(1 for w in step.plan.work if w.spec),
+            speculated=sum(1 for r in output.rows if r.spec),
             phases={"schedule": t_sched - start, "run": t_run - t_sched, "update": end - t_run},
         )
         return finished
 
     def postprocess(
-        self, step: ScheduledStep, result: StepResult
+        self, output: SchedulerOutput, result: StepResult
     ) -> tuple[list[Sequence], list[SequenceGroup], int]:
         """Record the step's tokens; returns (sampled sequences that finished, beam searches
         that ended, tokens generated)."""
-        self.scheduler.swapped_out(step.swapped_out, result.swapped)
-        # min_tokens' bans are planned by the scheduler: keep it on the engine's EOS.
-        self.scheduler.eos_token_id = self.eos_token_id
+        self.scheduler.swapped_out(output.swapped_out, result.swapped)
         cache = self.scheduler.prefix_cache
+        blocks = self.kv.blocks
         prompt_lps = result.prompt_logprobs or {}
         finished, generated, beams = [], 0, {}
-        for i, (seq, work) in enumerate(zip(step.seqs, step.plan.work, strict=True)):
-            if work.spec:
-                generated += self._speculated(seq, work, i, result)
+        for i, row in enumerate(output.rows):
+            seq, fed = row.seq, row.num_tokens
+            if row.spec:
+                generated += self._speculated(seq, row.spec, i, result)
                 if seq.finished:
                     finished.append(seq)
                 continue
-            seq.num_computed += len(work.tokens)
+            seq.num_computed += fed
             if cache is not None:  # before a beam step rewrites the histories
-                cache.record(seq, seq.num_computed - len(work.tokens), result.view)
+                cache.record(seq, seq.num_computed - fed, blocks)
             if i in prompt_lps:
                 # Positions in order, each once: a recompute's re-fed positions were
                 # planned without targets, and ``len`` only grows.
-                lp, rank, top_lp, top_ids = prompt_lps[i]
+                targets, lp, rank, top_lp, top_ids = prompt_lps[i]
                 recorded = seq.group.prompt_logprobs
-                start = seq.num_computed - len(work.tokens)
-                for t, target in enumerate(work.prompt_targets):
+                start = seq.num_computed - fed
+                for t, target in enumerate(targets):
                     if target >= 0 and start + t + 1 == len(recorded):
                         recorded.append(_logprob_dict(target, lp[t], rank[t], top_lp[t], top_ids[t],
                                                       seq.params.prompt_logprobs))
             if seq.num_pending:  # mid-prefill: its sample is not a prediction we need
                 continue
             if seq.group.beam is not None:
-                seq.candidates = (result.top_logprobs[i, : work.top], result.top_ids[i, : work.top])
+                top = seq.group.beam.num_candidates
+                seq.candidates = (result.top_logprobs[i, :top], result.top_ids[i, :top])
                 beams[id(seq.group)] = seq.group
                 continue
             generated += 1
@@ -238,7 +241,7 @@ class LLMEngine:
                 generated += advanced
         return finished, ended, generated
 
-    def _speculated(self, seq: Sequence, work, i: int, result: StepResult) -> int:
+    def _speculated(self, seq: Sequence, proposed: int, i: int, result: StepResult) -> int:
         """Record one speculative round: the pending token and the ``a`` accepted
         proposals are now computed (the device truncated the row to them), and ``a + 1``
         tokens join the output, cut at a stop. Returns the tokens appended."""
@@ -254,8 +257,8 @@ class LLMEngine:
         # it to them); a stop among them ends the sequence there.
         seq.num_computed = min(before + 1 + accepted, seq.num_tokens)
         if (cache := self.scheduler.prefix_cache) is not None:
-            cache.record(seq, before, result.view)
-        self.stats.spec.record(work.spec, accepted, emitted)
+            cache.record(seq, before, self.kv.blocks)
+        self.stats.spec.record(proposed, accepted, emitted)
         return emitted
 
     def _beam_step(self, group: SequenceGroup) -> int | None:
@@ -301,7 +304,7 @@ class LLMEngine:
         rows = np.concatenate([rows for _, rows in groups])
         owner = np.repeat(np.arange(len(groups)), [len(r) for _, r in groups])
         tables = view.block_tables[rows]
-        named = tables >= 0
+        named = tables != NO_BLOCK
         pairs = np.unique(np.stack([np.broadcast_to(owner[:, None], tables.shape)[named], tables[named]]), axis=1)
         physical = np.bincount(pairs[0], minlength=len(groups))
         private = np.bincount(owner, weights=(view.seq_lens[rows] + bs - 1) // bs, minlength=len(groups))
@@ -351,8 +354,8 @@ class LLMEngine:
 
     def check(self) -> None:
         """Invariants after a step: the block manager's, the device agreeing with the host
-        about every live row (and with the runner's view), and the host swap pool's
-        accounting. A debug aid: it syncs the device."""
+        about every live row and with the host model (``KVCacheManager``), the prefix
+        index, and the host swap pool's accounting. A debug aid: it syncs the device."""
         sched = self.scheduler
         live = {s.slot: s.num_computed for g in sched.running for s in g.live if s.row_live}
         self.runner.check(live, pending_release=sched.pending_rows)
@@ -360,9 +363,9 @@ class LLMEngine:
             # A beam step already rewrote its members' histories; their rows follow next step.
             rows = {s.slot: s.token_ids()[: s.num_computed] for g in sched.running if g.pending_select is None
                     for s in g.live if s.row_live}
-            sched.prefix_cache.check(np.asarray(self.runner.cache_state.cached), rows, self.runner.view)
+            sched.prefix_cache.check(np.asarray(self.runner.cache_state.cached), rows, self.kv.blocks)
         if sched.swapping:
-            sched.runner.swap_pool.check([g.swapped.host_ids for g in sched.swapped if g.swapped is not None])
+            self.kv.swap_pool.check([g.swapped.host_ids for g in sched.swapped if g.swapped is not None])
 
     def warmup(self, use_tqdm: bool = True) -> int:
         """Compile every program a plain (non-speculative, no logprobs) step can call, up
@@ -390,8 +393,6 @@ class LLMEngine:
         "abort"), the block manager starts from an empty pool (the prefix cache with it),
         the host swap pool is emptied. Compiled programs, the pages' memory (unless lost)
         and the statistics are kept."""
-        from paged_jax.engine.swap import HostSwapPool
-
         old = self.scheduler
         for group in self.unfinished():
             for s in group.seqs:
@@ -399,12 +400,8 @@ class LLMEngine:
                     s.finish_reason = FinishReason.ABORT
                 s.slot, s.row_live = None, False
             group.status = SeqStatus.FINISHED
-        runner = self.runner
-        runner.cache_state = runner.empty_state()
-        if any(leaf.is_deleted() for leaf in jax.tree.leaves(runner.pages)):
-            runner.pages = runner.backend.init_pages(runner.num_blocks)
-        runner.swap_pool = HostSwapPool.for_pages(runner.swap_pool.capacity, runner.pages)
-        runner.view = runner._fresh_view()
+        self.runner.reset()
+        self.kv = self.runner.kv = KVCacheManager(self.config, jax.eval_shape(lambda: self.runner.pages))
         self.scheduler = self._new_scheduler()
         self.scheduler.counters = old.counters
 
@@ -447,7 +444,7 @@ class LLMEngine:
             ),
             traces=dict(traces),
         )
-        cache = sched.prefix_cache
+        cache = self.kv.prefix_cache
         pc = cache.counters if cache is not None else None
         out.update(
             prefix_caching=cache is not None,

@@ -91,7 +91,7 @@ def inspect_engine(engine) -> CacheInspection:
         if live:
             rows[g.request_id] = live
     cache = engine.scheduler.prefix_cache
-    swap = runner.swap_pool
+    swap = engine.kv.swap_pool
     return CacheInspection(
         num_blocks=runner.num_blocks, block_size=runner.block_size,
         block_tables=np.asarray(host.block_tables), seq_lens=np.asarray(host.seq_lens),

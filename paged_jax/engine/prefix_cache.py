@@ -3,8 +3,8 @@ blocks are marked, reused and evicted.
 
 Host side, beside the scheduler (the index is ``cache.PrefixIndex``: chained keys, salts,
 collision-checked hits; the eviction order is a ``cache.EvictionPolicy``). The device
-only sees three ops, planned into the step like any other (``StepPlan.mark``,
-``StepPlan.prefix``, ``StepPlan.evict``):
+only sees three ops, planned into the step like any other (``SchedulerOutput.mark``,
+``SchedulerOutput.prefix``, ``SchedulerOutput.evict``):
 
 - **mark**: after a step, every block that became full (prompt or generated tokens) is
   indexed and, in the next step's housekeeping, ``mark_cached``: the cache takes a
@@ -14,7 +14,7 @@ only sees three ops, planned into the step like any other (``StepPlan.mark``,
   tokens' full blocks (``open_sequences(..., prefix_blocks)``: references +1, no copy,
   no recompute), never the block of its last token, so the first output has logits.
 - **evict**: admission and preemption count cached-free blocks as free
-  (``HostView.num_available``); when a step's allocations exceed the pool, the
+  (``HostBlockManager.num_available``); when a step's allocations exceed the pool, the
   eviction policy picks that many cached-free blocks (never one a table names) and the
   step's housekeeping returns them to the pool before anything allocates.
 
@@ -29,7 +29,7 @@ import dataclasses
 
 import numpy as np
 
-from paged_jax.cache import HostView, PrefixIndex, block_keys
+from paged_jax.cache import HostBlockManager, PrefixIndex, block_keys
 from paged_jax.engine.sequence import Sequence, SequenceGroup
 
 
@@ -114,7 +114,7 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ after a step
 
-    def record(self, seq: Sequence, computed_before: int, view: HostView) -> None:
+    def record(self, seq: Sequence, computed_before: int, view: HostBlockManager) -> None:
         """``seq``'s row now holds ``seq.num_computed`` tokens (``computed_before`` before
         the step): index the blocks that became full; the next plan marks them."""
         bs = self.block_size
@@ -126,7 +126,7 @@ class PrefixCache:
         self.pending_marks += self.index.insert(tokens, blocks, seq.group.cache_salt, start=computed_before // bs)
         self.counters.peak_cached_blocks = max(self.counters.peak_cached_blocks, len(self.index))
 
-    def released(self, view: HostView, rows: list[int]) -> None:
+    def released(self, view: HostBlockManager, rows: list[int]) -> None:
         """``rows`` end now: the cached blocks they name were in use until now (the
         eviction policy's ``release``), a row's last block first, so that its head
         (the prefix other requests are likeliest to share) counts as the most recent
@@ -141,7 +141,7 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ eviction
 
-    def evict(self, view: HostView, k: int) -> list[int]:
+    def evict(self, view: HostBlockManager, k: int) -> list[int]:
         """Choose and drop ``k`` cached-free blocks of ``view`` (the step's state once its
         housekeeping ran), in the policy's order."""
         if k <= 0:
@@ -154,7 +154,7 @@ class PrefixCache:
         self.counters.evictions += len(chosen)
         return chosen
 
-    def check(self, cached: np.ndarray, rows: dict[int, tuple[int, ...]], view: HostView) -> None:
+    def check(self, cached: np.ndarray, rows: dict[int, tuple[int, ...]], view: HostBlockManager) -> None:
         """Debug check against the device: the index holds exactly the blocks the device
         marks ``cached`` (bool[num_blocks], less the marks still owed), and every cached
         block a live row names holds that row's tokens at that position (``rows``: slot

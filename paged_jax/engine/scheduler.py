@@ -1,12 +1,15 @@
 """The scheduler: who runs this step, with how many tokens, and who must make room.
 
 Host side only: it holds the queues of requests (``SequenceGroup``s) and decides; it
-plans every device action into a ``StepPlan`` that the ``ModelRunner`` executes, and it
-counts blocks on the runner's ``HostView`` (the block manager's own answers as of the
-last step, moved forward through the releases, forks, beam selections and restores the
-plan makes), so counting is exact when completions share blocks, and no decision syncs
-the device. Every admission decision goes through the cache accounting (paged or
-static, ``accounting.py``).
+plans every device action into a ``SchedulerOutput`` (``interface.py``) that the
+``ModelRunner`` executes. It talks to one ``KVCacheManager`` and to nothing else: it counts
+blocks on the manager's host model of the block manager (equal to the device's after every
+step; its what-ifs are the ops themselves on a copy: the releases, forks, beam selections
+and restores the plan makes), so counting is exact when completions share blocks, and no
+decision syncs the device; prefix-cache hits and the swap pool's room come from the same
+manager. Every admission decision goes through the cache accounting (paged or static,
+``accounting.py``); the order waiting requests are offered the pool is the admission
+policy's (``admission.py``).
 
 One step (``schedule``), under a token budget of ``max_num_batched_tokens``:
 
@@ -15,14 +18,15 @@ One step (``schedule``), under a token budget of ``max_num_batched_tokens``:
    from the leader once it holds the shared prefix, see ``sequence.py``); every decoding
    sequence (one pending token) gets 1 token; then those in the middle of a chunked
    prefill get the next chunk, in admission order, while the budget lasts. The blocks
-   all these appends need (``HostView.blocks_needed``: new blocks plus copy-on-write
+   all these appends need (``HostBlockManager.blocks_needed``: new blocks plus copy-on-write
    targets) must fit in the free pool; while they do not, the victim policy picks a
    running request to preempt (the whole group) and the plan is redone without it.
 3. If nothing was preempted this step: swapped requests come back (oldest first) while
    their blocks plus their next appends fit above the watermark.
 4. If nothing was preempted and nothing is still swapped out: waiting requests are
-   admitted (FIFO; recompute-preempted ones sit at the front) while table rows are free,
-   the budget lasts, and the accounting admits them. Their first chunk runs this step.
+   admitted in the admission policy's order (FCFS by default; recompute-preempted ones
+   sit at the front of the queue) while table rows are free, the budget lasts, and the
+   accounting admits them (the first that does not fit blocks those behind it). Their first chunk runs this step.
    With prefix caching the leader starts on its cached blocks (``prefix_cache.py``) and
    is charged only for blocks no row holds yet.
 5. Speculative decoding (``engine/speculative.py``): a decoding sequence of a sampling request
@@ -34,15 +38,14 @@ One step (``schedule``), under a token budget of ``max_num_batched_tokens``:
    Rows whose sampling verification does not reproduce (penalties, min-p, min_tokens
    not yet reached, logprobs, missing prompt logprobs: ``_speculates``) get no proposals.
 6. Prefix caching: "free" means the pool plus the cached-free blocks
-   (``HostView.num_available``); when the step's allocations exceed the pool, that many
+   (``HostBlockManager.num_available``); when the step's allocations exceed the pool, that many
    cached-free blocks are evicted, in the eviction policy's order, at the end of the
    step's housekeeping. A request whose prompt logprobs are incomplete is not looked
    up (a hit would compute no logits for its positions; vLLM skips the cache likewise);
    once they are complete (e.g. after a recompute preemption) it may hit again.
-7. Sampling inputs (``_work``): each row's ``SampleRow``, with its penalty and
-   min-tokens ``History`` entries built from the ``Sequence`` (incremental output
-   counts, the prompt's distinct ids computed once), and for prompt logprobs the prompt
-   token each fed position predicts (``Work.prompt_targets``).
+
+The output names, per running row, the sequence and how many tokens it feeds
+(``ScheduledRow``); how it samples is the runner's business (``inputs.py``).
 
 Preemption, ``preemption_mode``:
 
@@ -62,14 +65,13 @@ import dataclasses
 
 import numpy as np
 
-from paged_jax.cache import NO_BLOCK, HostView
+from paged_jax.cache import NO_BLOCK, HostBlockManager
 from paged_jax.config import blocks_for
+from paged_jax.engine.admission import WaitingInfo, fcfs
 from paged_jax.engine.config import SchedulerConfig
-from paged_jax.engine.prefix_cache import PrefixCache
-from paged_jax.engine.runner import ModelRunner, SampleRow, StepPlan, SwapIn, Work
-from paged_jax.engine.sampling import BANNED, SEEN, as_token_ids
+from paged_jax.engine.interface import ScheduledRow, SchedulerOutput, SwapIn
 from paged_jax.engine.sequence import FinishReason, SeqStatus, Sequence, SequenceGroup
-from paged_jax.engine.speculative import ngram_propose
+from paged_jax.engine.speculative import propose
 
 
 @dataclasses.dataclass
@@ -80,15 +82,6 @@ class SchedulerCounters:
     swap_fallbacks: int = 0  # swap wanted, host pool full: recomputed instead
     blocks_swapped_out: int = 0
     blocks_swapped_in: int = 0
-
-
-@dataclasses.dataclass
-class ScheduledStep:
-    """A plan and the sequences behind its work items (``seqs[i]`` feeds ``plan.work[i]``)."""
-
-    plan: StepPlan
-    seqs: list[Sequence]
-    swapped_out: list[SequenceGroup]  # aligned with plan.swap_out
 
 
 @dataclasses.dataclass
@@ -123,13 +116,13 @@ def group_blocks(group: SequenceGroup, block_size: int, share_blocks: bool = Tru
 
 
 class Scheduler:
-    """Queues and decisions. ``accounting`` is a ``PagedAccounting`` or ``StaticAccounting``."""
+    """Queues and decisions over one ``KVCacheManager`` (``kv``). ``accounting`` is a
+    ``PagedAccounting`` or ``StaticAccounting``."""
 
-    def __init__(self, config: SchedulerConfig, runner: ModelRunner, accounting, *, swapping: bool,
-                 prefix_cache: PrefixCache | None = None):
+    def __init__(self, config: SchedulerConfig, kv, accounting, *, swapping: bool):
         self.config = config
-        self.prefix_cache = prefix_cache
-        self.runner = runner
+        self.kv = kv
+        self.prefix_cache = kv.prefix_cache
         self.accounting = accounting
         self.swapping = swapping
         self.waiting: collections.deque[SequenceGroup] = collections.deque()
@@ -142,9 +135,6 @@ class Scheduler:
         # count as [None] * m: they are made on the device).
         self._proposals: dict[int, list] = {}
         self.counters = SchedulerCounters()
-        # The ids min_tokens bans besides the stop ids (an int, a tuple of ints or None);
-        # the engine keeps it equal to ``LLMEngine.eos_token_id``.
-        self.eos_token_id = getattr(getattr(runner, "backend", None), "eos_token_id", None)
 
     # ------------------------------------------------------------------ queues
 
@@ -157,13 +147,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
 
-    def schedule(self) -> ScheduledStep:
+    def schedule(self) -> SchedulerOutput:
         """Decide this step's work and plan the releases, preemptions, swaps and admissions
         it needs."""
         cfg = self.config
-        plan = StepPlan(release=self._to_release)
+        plan = SchedulerOutput(release=self._to_release)
         self._to_release = []
-        base = self.runner.view
+        base = self.kv.blocks
         if self.prefix_cache is not None:
             plan.mark = self.prefix_cache.take_marks()
             base = base.marked(plan.mark)
@@ -220,8 +210,9 @@ class Scheduler:
             cache = self.prefix_cache
             if cache is not None:
                 cache.begin_step()
-            while self.waiting and budget >= 1 and self._rows_for(self.waiting[0]):
-                group = self.waiting[0]
+            for group in self._admission_order():
+                if budget < 1 or not self._rows_for(group):
+                    break
                 blocks = group_blocks(group, cfg.block_size, cfg.share_blocks)
                 # A prompt-logprobs request computes its whole prompt (a hit computes no
                 # logits), as vLLM does, until its prompt logprobs are complete.
@@ -234,7 +225,7 @@ class Scheduler:
                 charge = blocks - int(np.isin(hits, view.named_blocks()).sum()) if hits else blocks
                 if not self.accounting.can_admit(charge, free - reserve, bool(self.running), len(group.live)):
                     break
-                self.waiting.popleft()
+                self.waiting.remove(group)
                 if cache is not None:
                     cache.use(hits, group.live[0].num_tokens)
                 opened = len(plan.open)
@@ -252,74 +243,22 @@ class Scheduler:
                 free -= charge
         if self.prefix_cache is not None:
             plan.evict = self.prefix_cache.evict(view, allocations - view.num_free)
-        plan.work = [self._work(s, n) for s, n in work]
-        return ScheduledStep(plan, [s for s, _ in work], swapped_out)
+        plan.rows = [ScheduledRow(s, n, self._proposals.get(id(s))) for s, n in work]
+        plan.swapped_out = swapped_out
+        return plan
+
+    def _admission_order(self) -> list[SequenceGroup]:
+        """The waiting queue in the admission policy's order (stable: ties keep queue order)."""
+        queue = list(self.waiting)
+        key = self.config.admission_policy
+        if key is fcfs or len(queue) < 2:
+            return queue
+        infos = [WaitingInfo(g.request_id, i, g.priority, len(g.prompt_token_ids), g.num_tokens, g.num_preemptions,
+                             len(g.live)) for i, g in enumerate(queue)]
+        return [queue[i] for i in sorted(range(len(queue)), key=lambda i: key(infos[i]))]
 
     def _rows_for(self, group: SequenceGroup) -> bool:
         return len(self._free_slots) >= len(group.live)
-
-    def _work(self, seq: Sequence, n: int) -> Work:
-        # The token index is the output length: the same whenever this token is sampled.
-        p, group = seq.params, seq.group
-        if group is not None and group.beam is not None:
-            return Work(seq.slot, seq.pending_token_ids(n), SampleRow(0.0, -1, 1.0, 0, 0),
-                        top=group.beam.num_candidates, top_temperature=p.temperature)
-        proposals = self._proposals.get(id(seq))
-        fed = seq.pending_token_ids(1) + [t for t in proposals if t is not None] if proposals else None
-        # A chunk that leaves tokens pending samples nothing we keep: no history to build.
-        samples = bool(proposals) or seq.num_computed + n == seq.num_tokens
-        row = self._sample_row(seq) if samples else SampleRow(p.temperature, p.top_k, p.top_p, seq.seed,
-                                                               len(seq.output_token_ids))
-        if proposals:
-            return Work(seq.slot, fed, row, spec=len(proposals))
-        targets = self._prompt_targets(seq, n) if group is not None and group.needs_prompt_logprobs else None
-        top = (p.logprobs or 0) if samples else 0  # the top-K (raw: top_temperature 0) for logprobs
-        return Work(seq.slot, seq.pending_token_ids(n), row, top=top, prompt_targets=targets,
-                    prompt_top=p.prompt_logprobs or 0)
-
-    def _sample_row(self, seq: Sequence) -> SampleRow:
-        """The row's sampler inputs for its next output token, with its ``History``
-        entries (``sampling.History``): the distinct prompt and output tokens for the
-        repetition penalty, output counts for presence/frequency, and while min_tokens is
-        not reached, the stop ids and EOS (unless ignore_eos) banned. Counts come from
-        ``Sequence.output_counts`` (kept incrementally), the prompt's distinct ids are
-        computed once per sequence."""
-        p = seq.params
-        done = len(seq.output_token_ids)
-        row = SampleRow(p.temperature, p.top_k, p.top_p, seq.seed, done, min_p=p.min_p,
-                        presence=p.presence_penalty, frequency=p.frequency_penalty,
-                        repetition=p.repetition_penalty, num_logprobs=-1 if p.logprobs is None else p.logprobs)
-        banned = self._banned(seq) if done < p.min_tokens else ()
-        repetition = p.repetition_penalty != 1
-        if not (banned or p.uses_penalties):
-            return row
-        counts = seq.output_counts() if p.uses_penalties else {}
-        out_ids = np.fromiter(counts.keys(), np.int32, len(counts))
-        ids = np.union1d(seq.prompt_ids(), out_ids) if repetition else np.sort(out_ids)
-        if banned:
-            ids = np.union1d(ids, np.asarray(banned, np.int32))
-        ids = ids.astype(np.int32)
-        num = np.zeros(len(ids), np.int32)
-        num[np.searchsorted(ids, out_ids)] = np.fromiter(counts.values(), np.int32, len(counts))
-        flags = np.full(len(ids), SEEN if repetition else 0, np.int32)
-        if banned:
-            flags[np.searchsorted(ids, np.asarray(banned, np.int32))] |= BANNED
-        return row._replace(history=(ids, num, flags))
-
-    def _banned(self, seq: Sequence) -> tuple[int, ...]:
-        """The ids min_tokens keeps from being sampled: stop ids, and EOS unless ignore_eos."""
-        eos = () if seq.params.ignore_eos else as_token_ids(self.eos_token_id)
-        return tuple(sorted({*seq.params.stop_token_ids, *eos}))
-
-    @staticmethod
-    def _prompt_targets(seq: Sequence, n: int) -> tuple[int, ...] | None:
-        """For a feed of ``n`` tokens from ``seq.num_computed``: the prompt token each
-        position predicts where its prompt logprob is still missing, else -1; None when
-        no position is wanted (positions already recorded, or past the prompt)."""
-        prompt, have = seq.prompt_token_ids, len(seq.group.prompt_logprobs)
-        start = seq.num_computed
-        targets = tuple(prompt[j + 1] if have <= j + 1 < len(prompt) else -1 for j in range(start, start + n))
-        return targets if any(t >= 0 for t in targets) else None
 
     @staticmethod
     def _speculates(seq: Sequence) -> bool:
@@ -340,9 +279,7 @@ class Scheduler:
         m = min(spec.num_speculative_tokens, seq.max_tokens - len(seq.output_token_ids) - 1, budget)
         if m <= 0:
             return []
-        if spec.method == "ngram":
-            return ngram_propose(seq.token_ids(), m, spec.prompt_lookup_max, spec.prompt_lookup_min)
-        return [None] * m
+        return propose(spec, seq.token_ids(), m)
 
     def _growth_reserve(self, work: list[tuple[Sequence, int]]) -> int:
         """Blocks the running sequences will take over the next ``admission_lookahead``
@@ -363,8 +300,8 @@ class Scheduler:
                 total += blocks_for(min(s.num_tokens + k, final), bs) - blocks_for(held, bs)
         return total
 
-    def _plan_running(self, view: HostView, budget: int, speculate: bool = False
-                      ) -> tuple[HostView, _Prep, list[tuple[Sequence, int]]]:
+    def _plan_running(self, view: HostBlockManager, budget: int, speculate: bool = False
+                      ) -> tuple[HostBlockManager, _Prep, list[tuple[Sequence, int]]]:
         """The running groups' row-making ops and work, without committing anything:
         decodes first (1 token each), then their proposals (``speculate``), then prefill
         chunks in admission order. Returns the view after the ops."""
@@ -419,7 +356,7 @@ class Scheduler:
                 budget -= n
         return view, prep, work
 
-    def _commit(self, prep: _Prep, plan: StepPlan) -> None:
+    def _commit(self, prep: _Prep, plan: SchedulerOutput) -> None:
         """Make the planned row-making ops real: in the plan, and on the members."""
         plan.select, plan.fork, plan.unshare = prep.select, prep.fork, prep.unshare
         for group in self.running:
@@ -453,15 +390,15 @@ class Scheduler:
         """Rows of sequences finished last step, not yet released."""
         return list(self._to_release)
 
-    def pending_release(self) -> StepPlan | None:
+    def pending_release(self) -> SchedulerOutput | None:
         """A plan that only releases the rows finished in the last step, after marking the
         blocks it filled cached (None if there is neither)."""
         marks = [] if self.prefix_cache is None else self.prefix_cache.take_marks()
         if not (self._to_release or marks):
             return None
         if self.prefix_cache is not None:
-            self.prefix_cache.released(self.runner.view, self._to_release)
-        plan = StepPlan(release=self._to_release, mark=marks)
+            self.prefix_cache.released(self.kv.blocks, self._to_release)
+        plan = SchedulerOutput(release=self._to_release, mark=marks)
         self._to_release = []
         return plan
 
@@ -472,7 +409,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission
 
-    def _admit(self, group: SequenceGroup, plan: StepPlan, budget: int, hits: list[int] = ()) -> list[tuple[Sequence, int]]:
+    def _admit(self, group: SequenceGroup, plan: SchedulerOutput, budget: int, hits: list[int] = ()) -> list[tuple[Sequence, int]]:
         """Reserve a row per member and open the leader's (every member's, when there is no
         shared prefix to wait for), the leader's on the cached blocks ``hits``; returns
         the leader's first chunk."""
@@ -507,13 +444,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ preemption
 
-    def _pick_victim(self, view: HostView) -> SequenceGroup:
+    def _pick_victim(self, view: HostBlockManager) -> SequenceGroup:
         if not self.accounting.may_preempt:
             raise AssertionError("static reservations ran out of blocks: accounting bug")
         infos = [g.info(view.blocks_held([s.slot for s in g.live if s.row_live])) for g in self.running]
         return self.running[self.config.victim_policy(infos)]
 
-    def _preempt(self, group: SequenceGroup, plan: StepPlan, view: HostView, swapped_out: list) -> HostView:
+    def _preempt(self, group: SequenceGroup, plan: SchedulerOutput, view: HostBlockManager,
+                 swapped_out: list) -> HostBlockManager:
         """Plan the victim's preemption; returns the view without its rows."""
         self.running.remove(group)
         group.num_preemptions += 1
@@ -525,7 +463,7 @@ class Scheduler:
         if self.config.preemption_mode == "swap":
             blocks = view.blocks_held(rows)
             planned = sum(view.blocks_held(r) for r in plan.swap_out)
-            if blocks and self.swapping and self.runner.swap_pool.can_store(planned + blocks):
+            if blocks and self.swapping and self.kv.swap_pool.can_store(planned + blocks):
                 for s in members:
                     self._free_slots.append(s.slot)
                     s.slot = None
@@ -551,7 +489,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ swap
 
-    def _swap_in(self, group: SequenceGroup, slots: list[int], plan: StepPlan) -> None:
+    def _swap_in(self, group: SequenceGroup, slots: list[int], plan: SchedulerOutput) -> None:
         rows = []
         for seq, slot in zip(group.live, slots, strict=True):
             self._free_slots.remove(slot)
@@ -581,7 +519,7 @@ class Scheduler:
         elif group in self.swapped:
             self.swapped.remove(group)
             if group.swapped is not None:
-                self.runner.swap_pool.free(list(group.swapped.host_ids))
+                self.kv.swap_pool.free(list(group.swapped.host_ids))
                 group.swapped = None
         elif group in self.running:
             self.finish(holding)

@@ -200,3 +200,12 @@ def verify(
     tokens = jnp.where(cols < accepted[:, None], kept, jnp.where(cols == accepted[:, None], final[:, None], 0))
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[..., None], axis=-1)[..., 0]
     return Verified(accepted, tokens.astype(jnp.int32), logprobs)
+
+
+def propose(spec: SpeculativeConfig, tokens: list[int], m: int) -> list:
+    """This round's proposals for a decoding sequence's ``tokens`` (at most ``m``): n-gram
+    prompt lookup on the host, or ``m`` placeholders (None) for a draft model, whose
+    proposals are made on the device inside the verification program."""
+    if spec.method == "ngram":
+        return ngram_propose(tokens, m, spec.prompt_lookup_max, spec.prompt_lookup_min)
+    return [None] * m

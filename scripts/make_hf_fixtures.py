@@ -4,7 +4,9 @@ Run once, by hand, with torch and transformers installed (they are NOT test
 dependencies; the tests read only the files written here):
 
     python -m venv /tmp/hf && /tmp/hf/bin/pip install torch==2.13.0 transformers safetensors numpy
-    HF_HUB_OFFLINE=1 /tmp/hf/bin/python scripts/make_hf_fixtures.py [--out tests/fixtures] [--beam]
+    HF_HUB_OFFLINE=1 /tmp/hf/bin/python scripts/make_hf_fixtures.py [--out tests/fixtures] [--beam] [--only NAME,...]
+
+(``scripts/side_venv.sh fixtures`` builds such a venv: ``~/.cache/paged_jax/venvs/fixtures``.)
 
 For each architecture it writes ``<out>/<name>/`` (config.json + safetensors) and
 ``<out>/<name>/expected.npz`` with, per prompt i:
@@ -16,7 +18,14 @@ For each architecture it writes ``<out>/<name>/`` (config.json + safetensors) an
 
 Expected outputs are always computed in float32 from the weights as saved (the bf16
 checkpoint is reloaded as float32), so the tests can compare at fp32 tolerance.
-``<out>/metadata.json`` records the transformers and torch versions and the settings.
+``<out>/metadata.json`` records the transformers and torch versions and the settings, and
+per fixture its files and transformers' parameter count (``num_parameters``).
+
+``--only NAME,...`` (re)writes just those fixtures (with ``--beam``: just their beam
+fixtures) and merges their entries into the existing metadata.json, leaving every other
+fixture's files untouched; a fixture written this way records its own transformers/torch
+versions in its entry. Each fixture's seed is its position in ``_fixtures()`` (in
+``BEAM_MODELS`` for beam), so a new fixture goes at the end and the others stay the same.
 
 ``--beam`` (re)writes only the beam-search fixtures, from the checkpoints already in
 ``<out>`` (the weights are not touched): ``<out>/<name>/beam.json`` for ``BEAM_MODELS``,
@@ -33,6 +42,8 @@ Fixtures:
   saved *sharded* (model.safetensors.index.json).
 - ``qwen2``: Qwen2ForCausalLM, MHA, q/k/v bias, tied embeddings, fp32, one file.
 - ``mistral``: MistralForCausalLM, MQA (1 kv head), saved in *bf16*.
+- ``qwen3``: Qwen3ForCausalLM, GQA (4 q / 2 kv heads), head_dim 32 != hidden / heads (16),
+  per-head q/k RMSNorm (random weights, as every norm here), tied embeddings, fp32.
 """
 
 from __future__ import annotations
@@ -70,6 +81,8 @@ def _fixtures():
         MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     return {
@@ -101,6 +114,15 @@ def _fixtures():
                 sliding_window=4096, **COMMON,
             ),
             dict(dtype="bfloat16", max_shard_size=None),
+        ),
+        "qwen3": (
+            Qwen3ForCausalLM,
+            Qwen3Config(
+                vocab_size=256, num_key_value_heads=2, tie_word_embeddings=True,
+                rope_theta=1000000.0, use_sliding_window=False,
+                **{**COMMON, "head_dim": 32, "rms_norm_eps": 1e-6},
+            ),
+            dict(dtype="float32", max_shard_size=None),
         ),
     }
 
@@ -140,7 +162,7 @@ def _expected(model, torch, vocab: int, seed: int) -> dict[str, np.ndarray]:
     return out
 
 
-BEAM_MODELS = ("llama", "qwen2")
+BEAM_MODELS = ("llama", "qwen2", "qwen3")
 BEAM_PROMPT_LENS = (3, 6, 11)
 BEAM_MAX_NEW = 10
 
@@ -207,7 +229,7 @@ def _beam_fixture(model, torch, vocab: int, seed: int) -> dict:
     return {"eos_token_id": eos_id, "cases": cases}
 
 
-def main_beam(out_dir: str) -> int:
+def main_beam(out_dir: str, only: list[str] | None = None) -> int:
     import torch
     import transformers
 
@@ -215,9 +237,18 @@ def main_beam(out_dir: str) -> int:
     meta_path = os.path.join(out_dir, "metadata.json")
     with open(meta_path) as f:
         meta = json.load(f)
-    meta["beam"] = {"transformers": transformers.__version__, "torch": torch.__version__,
-                    "models": list(BEAM_MODELS), "prompt_lens": list(BEAM_PROMPT_LENS), "max_new_tokens": BEAM_MAX_NEW}
+    versions = {"transformers": transformers.__version__, "torch": torch.__version__}
+    if only is None:
+        meta["beam"] = {**versions, "models": list(BEAM_MODELS), "prompt_lens": list(BEAM_PROMPT_LENS),
+                        "max_new_tokens": BEAM_MAX_NEW}
+    else:
+        beam = meta["beam"]
+        beam["models"] = [m for m in BEAM_MODELS if m in beam["models"] or m in only]
+        if any(beam[k] != v for k, v in versions.items()):
+            beam.setdefault("versions", {}).update({m: versions for m in only})
     for seed, name in enumerate(BEAM_MODELS):
+        if only is not None and name not in only:
+            continue
         target = os.path.join(out_dir, name)
         model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
         model.generation_config.eos_token_id = None
@@ -240,25 +271,31 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures"))
     parser.add_argument("--beam", action="store_true", help="write only the beam-search fixtures (beam.json)")
+    parser.add_argument("--only", help="comma-separated fixture names: write only these, merge metadata.json")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    only = None if args.only is None else args.only.split(",")
     if args.beam:
-        return main_beam(args.out)
+        if only is not None and not set(only) <= set(BEAM_MODELS):
+            parser.error(f"--only {args.only}: beam fixtures are {', '.join(BEAM_MODELS)}")
+        return main_beam(args.out, only)
 
     import torch
     import transformers
 
+    fixtures = _fixtures()
+    if only is not None and not set(only) <= set(fixtures):
+        parser.error(f"--only {args.only}: fixtures are {', '.join(fixtures)}")
+
     torch.use_deterministic_algorithms(True)
-    meta = {
-        "transformers": transformers.__version__,
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "steps": STEPS,
-        "prompt_lens": list(PROMPT_LENS),
-        "init_scale": INIT_SCALE,
-        "fixtures": {},
-    }
-    for seed, (name, (cls, config, save)) in enumerate(_fixtures().items()):
+    versions = {"transformers": transformers.__version__, "torch": torch.__version__, "numpy": np.__version__}
+    meta = {**versions, "steps": STEPS, "prompt_lens": list(PROMPT_LENS), "init_scale": INIT_SCALE, "fixtures": {}}
+    if only is not None:
+        with open(os.path.join(args.out, "metadata.json")) as f:
+            meta = json.load(f)
+    for seed, (name, (cls, config, save)) in enumerate(fixtures.items()):
+        if only is not None and name not in only:
+            continue
         torch.manual_seed(seed)
         model = cls(config).eval()
         _perturb(model, torch, seed)
@@ -288,6 +325,8 @@ def main(argv=None) -> int:
             "saved_dtype": save["dtype"],
             "sharded": save["max_shard_size"] is not None,
             "files": sorted(os.listdir(target)),
+            "num_parameters": reloaded.num_parameters(),  # shared (tied) tensors counted once
+            **({} if only is None else versions),
         }
         print(f"{name}: {meta['fixtures'][name]}")
     with open(os.path.join(args.out, "metadata.json"), "w") as f:

@@ -14,7 +14,8 @@ import pytest
 from paged_jax.engine import LLM, BeamSearchParams
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
-MODELS = ("llama", "qwen2")
+# Every fixture with transformers' beam hypotheses (a new one is tested without editing a list).
+MODELS = tuple(sorted(n for n in os.listdir(FIXTURES) if os.path.exists(os.path.join(FIXTURES, n, "beam.json"))))
 
 
 @functools.cache
@@ -26,8 +27,10 @@ def _cases(name):
 @functools.cache
 def _llm(name):
     # The prompts of one setting run in one call; at 8 rows wider searches queue (one decode shape).
+    # 16 batched tokens: one prompt per prefill, so one prefill shape (2 step programs per model,
+    # not 4: about half the test's cold time).
     return LLM(os.path.join(FIXTURES, name), dtype="float32", block_size=8, max_num_seqs=8,
-               num_gpu_blocks=96, max_model_len=32, attention_impl="xla")
+               num_gpu_blocks=96, max_model_len=32, attention_impl="xla", max_num_batched_tokens=16)
 
 
 def _settings(name):
@@ -44,6 +47,7 @@ def test_the_fixtures_record_their_versions_and_cover_the_rules():
     with open(os.path.join(FIXTURES, "metadata.json")) as f:
         meta = json.load(f)["beam"]
     assert meta["transformers"] and meta["torch"] and set(meta["models"]) == set(MODELS)
+    assert {"llama", "qwen2", "qwen3"} <= set(MODELS)
     for name in MODELS:
         cases = _cases(name)["cases"]
         assert {c["beam_width"] for c in cases} == {1, 2, 4, 8}

@@ -1,5 +1,8 @@
 """Hugging Face checkpoints: our loader + model reproduce transformers' logits and greedy
-tokens (fixtures made by scripts/make_hf_fixtures.py), and bad checkpoints fail clearly."""
+tokens (fixtures made by scripts/make_hf_fixtures.py), and bad checkpoints fail clearly.
+
+The parity tests run every fixture directory holding an ``expected.npz`` (a new fixture is
+tested without editing a list), and every registered family must have one."""
 
 import functools
 import json
@@ -15,12 +18,13 @@ from safetensors.numpy import load_file, save_file
 from paged_jax import CacheConfig
 from paged_jax.buckets import pad_batch
 from paged_jax.cache import init_state, open_sequences, raise_for_status
-from paged_jax.model import CheckpointError, ModelConfig, dense_forward, load_model, save_params
+from paged_jax.model import FAMILIES, CheckpointError, ModelConfig, dense_forward, load_model, save_params
 from paged_jax.steps import init_pages_for, make_step_fns
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
-NAMES = ("llama", "qwen2", "mistral")
-PARITY = NAMES + ("llama_yarn",)  # llama_yarn: yarn RoPE, by scripts/make_rope_fixture.py
+NAMES = ("llama", "qwen2", "mistral", "qwen3")
+# Every fixture with transformers' outputs (llama_yarn: yarn RoPE, by scripts/make_rope_fixture.py).
+PARITY = tuple(sorted(n for n in os.listdir(FIXTURES) if os.path.exists(os.path.join(FIXTURES, n, "expected.npz"))))
 ATOL = 1e-4
 T = 16  # every prompt is padded to this length: one compiled shape per model
 
@@ -34,20 +38,47 @@ def _load(name):
     return load_model(os.path.join(FIXTURES, name), dtype=jnp.float32)
 
 
-def test_fixture_metadata_records_versions():
+def _metadata():
     with open(os.path.join(FIXTURES, "metadata.json")) as f:
-        meta = json.load(f)
+        return json.load(f)
+
+
+def test_fixture_metadata_records_versions():
+    meta = _metadata()
     assert meta["transformers"] and meta["torch"]
     assert meta["fixtures"]["llama"]["sharded"] and meta["fixtures"]["mistral"]["saved_dtype"] == "bfloat16"
     assert os.path.exists(os.path.join(FIXTURES, "llama", "model.safetensors.index.json"))
+    assert set(NAMES) <= set(PARITY) and set(meta["fixtures"]) <= set(PARITY)
+
+
+def test_every_registered_family_has_a_parity_fixture():
+    """A family added to the registry (by this package) is not done until transformers'
+    outputs for it are a fixture here: its parity tests then run without editing a list."""
+    covered = set()
+    for name in PARITY:
+        with open(os.path.join(FIXTURES, name, "config.json")) as f:
+            covered.add(json.load(f)["architectures"][0])
+    ours = {a for a, f in FAMILIES.items() if f.module.__module__.startswith("paged_jax.")}
+    assert ours <= covered, f"families without a fixture: {sorted(ours - covered)}"
+
+
+def test_num_params_equals_transformers_count():
+    counted = {n: f["num_parameters"] for n, f in _metadata()["fixtures"].items() if "num_parameters" in f}
+    assert "qwen3" in counted  # has parameters beyond the Llama layout (its q/k norms)
+    for name, want in counted.items():
+        assert _load(name)[0].num_params == want, name
 
 
 def test_configs_parsed_from_hf():
-    llama, qwen2, mistral = (_load(n)[0] for n in NAMES)
+    llama, qwen2, mistral, qwen3 = (_load(n)[0] for n in NAMES)
     assert llama.architecture == "LlamaForCausalLM" and llama.rope_scaling.factor == 8.0
     assert (llama.num_heads, llama.num_kv_heads) == (4, 2) and not llama.tie_word_embeddings
     assert qwen2.attention_bias and not qwen2.attention_out_bias and qwen2.tie_word_embeddings
     assert mistral.num_kv_heads == 1 and mistral.sliding_window == 4096 and mistral.max_seq_len == 128
+    assert qwen3.architecture == "Qwen3ForCausalLM" and (qwen3.num_heads, qwen3.num_kv_heads) == (4, 2)
+    assert qwen3.head_dim == 32 != qwen3.hidden_size // qwen3.num_heads and qwen3.rms_norm_eps == 1e-6
+    assert qwen3.tie_word_embeddings and not qwen3.attention_bias and not qwen3.attention_out_bias
+    assert qwen3.sliding_window is None and qwen3.rope_scaling is None and qwen3.rope_theta == 1e6
     native, _, params = load_model(os.path.join(FIXTURES, "mistral"))  # the checkpoint's own dtype
     assert native.dtype == "bfloat16"
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))

@@ -88,11 +88,22 @@ def test_from_hf_bias_and_window_flags():
     assert mistral.sliding_window == 32 and mistral.max_seq_len == 32
 
 
-@pytest.mark.parametrize("changes", [{}, {"tie_word_embeddings": True}, {"attention_bias": True, "attention_out_bias": True}])
+def _llama_layout_params(c: ModelConfig) -> int:
+    """The Llama layout's parameter count in closed form (the oracle for ``num_params``)."""
+    h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    attn = 2 * h * q + 2 * h * kv + (q + 2 * kv) * c.attention_bias + h * c.attention_out_bias
+    layer = attn + 3 * h * c.intermediate_size + 2 * h
+    return c.vocab_size * h * (1 if c.tie_word_embeddings else 2) + c.num_layers * layer + h
+
+
+@pytest.mark.parametrize("changes", [{}, {"tie_word_embeddings": True}, {"attention_bias": True, "attention_out_bias": True},
+                                     {"architecture": "Qwen3ForCausalLM", "head_dim": 24}])
 def test_num_params_counts_every_parameter(changes):
     config = CFG.replace(**changes)
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
-    assert config.num_params == sum(x.size for x in jax.tree.leaves(nnx.state(abstract)))
+    assert sum(x.size for x in jax.tree.leaves(nnx.state(abstract))) == _llama_layout_params(config)
+    qk_norms = 2 * config.head_dim * config.num_layers if config.architecture == "Qwen3ForCausalLM" else 0
+    assert config.num_params == _llama_layout_params(config) + qk_norms
 
 
 def test_kv_bytes_per_token():

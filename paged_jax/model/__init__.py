@@ -1,4 +1,4 @@
-"""Decoder families in Flax NNX (``registry``: Llama, Qwen2, Mistral, ...) and their loading
+"""Decoder families in Flax NNX (``registry``: Llama, Qwen2, Mistral, Qwen3, ...) and their loading
 from any ``ModelSource`` (a local HF directory, or a registered format)."""
 
 # Loading: where a model comes from, and its parameters.
@@ -22,13 +22,14 @@ from paged_jax.model.llama import (
     make_contiguous_attend,
     make_paged_attend,
 )
+from paged_jax.model.qwen3 import Qwen3ForCausalLM  # registers the Qwen3 family
 from paged_jax.model.registry import FAMILIES, ModelFamily, register_family
 from paged_jax.model.source import HFDirectory, ModelSource, open_source, register_source
 
 __all__ = [
     "FAMILIES", "AttendFn", "HFDirectory", "ModelFamily", "ModelSource", "open_source", "register_family",
     "register_source", "CheckpointError", "ContiguousKV", "LlamaForCausalLM",
-    "ModelConfig", "PagedContext", "RopeScaling", "dense_attend", "dense_forward", "forward",
+    "ModelConfig", "PagedContext", "Qwen3ForCausalLM", "RopeScaling", "dense_attend", "dense_forward", "forward",
     "init_contiguous_kv", "init_params", "load_model", "load_params", "logits_from_hidden",
     "make_contiguous_attend", "make_paged_attend", "save_params",
 ]

@@ -7,12 +7,15 @@ time. ``ModelConfig`` is hashable, so it can be a static argument or closed over
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from paged_jax.dtypes import dtype_name, float_dtype
 from paged_jax.model import registry
@@ -182,17 +185,10 @@ class ModelConfig:
 
     @property
     def num_params(self) -> int:
-        """Parameter count (the tied LM head counted once)."""
-        h, d = self.hidden_size, self.head_dim
-        q, kv = self.num_heads * d, self.num_kv_heads * d
-        attn = h * q + 2 * h * kv + q * h
-        if self.attention_bias:
-            attn += q + 2 * kv
-        if self.attention_out_bias:
-            attn += h
-        layer = attn + 3 * h * self.intermediate_size + 2 * h
-        head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.vocab_size * h + self.num_layers * layer + h + head
+        """Parameter count of this family's module (the tied LM head counted once): the
+        sizes of its parameters, shape only (nothing allocated), so a family with
+        parameters of its own (Qwen3's q/k norms) is counted right."""
+        return _count_params(self)
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -252,6 +248,13 @@ class ModelConfig:
         if fam.adjust is not None:
             fields = fam.adjust(fields, hf)
         return cls(**fields)
+
+
+@functools.cache
+def _count_params(config: ModelConfig) -> int:
+    module = registry.family(config.architecture).module
+    abstract = nnx.eval_shape(lambda: module(config, rngs=nnx.Rngs(0)))
+    return int(sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param))))
 
 
 def _read_json(path_or_dict) -> dict:

@@ -57,8 +57,8 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import difflib
-import inspect
 import itertools
 import math
 import os
@@ -93,11 +93,10 @@ PLOTTED = ("tokens_per_s", "kv_utilization", "peak_blocks", "peak_kv_mib", "pree
 
 # ----------------------------------------------------------------------------- grid
 def llm_keywords() -> list[str]:
-    """The keyword arguments ``LLM(...)`` takes (everything but the model)."""
-    from paged_jax.engine import LLM
+    """The keyword arguments ``LLM(...)`` takes (everything but the model): ``EngineArgs``' fields."""
+    from paged_jax.engine import EngineArgs
 
-    params = inspect.signature(LLM.__init__).parameters
-    return [name for name, p in params.items() if name not in ("self", "model") and p.kind is p.KEYWORD_ONLY]
+    return [f.name for f in dataclasses.fields(EngineArgs) if f.name != "model"]
 
 
 def check_keywords(names) -> None:

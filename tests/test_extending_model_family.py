@@ -14,7 +14,7 @@ from paged_jax.model import FAMILIES, dense_forward, init_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARKER = "<!-- example: model family -->"
-DOCS = ("docs/EXTENDING.md", "docs/notes/qwen3.md")  # the proposal until EXTENDING.md holds it
+DOCS = ("docs/EXTENDING.md",)
 
 
 def _example() -> str:

@@ -6,7 +6,13 @@ free pool. Every op is a pure function returning a new state and a status array.
 """
 
 # Prefix caching (host side): eviction policies and the index of cached blocks.
-from paged_jax.cache.eviction import EVICTION_POLICIES, EvictionPolicy, EvictionState, get_eviction_policy
+from paged_jax.cache.eviction import (
+    EVICTION_POLICIES,
+    EvictionPolicy,
+    EvictionState,
+    get_eviction_policy,
+    register_eviction_policy,
+)
 
 # The host model (the scheduler's view and the test oracle), and the invariant checks.
 from paged_jax.cache.host import HostBlockManager, PlanningError
@@ -41,6 +47,7 @@ from paged_jax.cache.policies import (
     lifo,
     lowest_id_first,
     random,
+    register_policy,
 )
 
 # The prefix index: chained block keys, salts, collision checks.
@@ -60,7 +67,7 @@ from paged_jax.cache.state import (
 
 __all__ = [
     "EVICTION_POLICIES", "EvictionPolicy", "EvictionState", "HASH_FUNCTIONS", "HashFunction", "PrefixIndex",
-    "block_keys", "get_eviction_policy", "get_hash",
+    "block_keys", "get_eviction_policy", "get_hash", "register_eviction_policy", "register_policy",
     "NO_BLOCK", "NO_SEQ", "NO_SLOT",
     "AllocationPolicy", "AppendResult", "CacheOpError", "CacheState", "HostBlockManager", "HostPool",
     "InvariantError", "POLICIES", "PlanningError", "Status", "append_slots", "blocks_needed", "check_invariants",

@@ -176,6 +176,11 @@ EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
 }
 
 
+def register_eviction_policy(name: str, factory: Callable[[], EvictionPolicy]) -> None:
+    """Make ``factory()`` available as ``eviction_policy=name`` (``docs/EXTENDING.md``)."""
+    EVICTION_POLICIES[name] = factory
+
+
 def get_eviction_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
     """The policy named ``policy`` (or ``policy`` itself); ValueError listing the names."""
     if isinstance(policy, EvictionPolicy):

@@ -451,6 +451,12 @@ POLICIES: dict[str, Callable[..., AllocationPolicy]] = {
 }
 
 
+def register_policy(name: str, factory: Callable[[], AllocationPolicy]) -> None:
+    """Make ``factory()`` available as ``allocation_policy=name`` (``docs/EXTENDING.md``);
+    the policy contract suite and the block-manager machine then run it."""
+    POLICIES[name] = factory
+
+
 def get_policy(name_or_policy: str | AllocationPolicy) -> AllocationPolicy:
     """A policy by name (``"random"`` uses seed 0), or the policy itself."""
     if isinstance(name_or_policy, AllocationPolicy):

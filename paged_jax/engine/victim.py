@@ -37,6 +37,12 @@ VICTIM_POLICIES: dict[str, VictimPolicy] = {
 }
 
 
+def register_victim_policy(name: str, policy: VictimPolicy) -> VictimPolicy:
+    """Make ``policy`` available as ``victim_policy=name`` (``docs/EXTENDING.md``)."""
+    VICTIM_POLICIES[name] = policy
+    return policy
+
+
 def get_victim_policy(policy: str | VictimPolicy) -> VictimPolicy:
     if callable(policy):
         return policy

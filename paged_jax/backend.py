@@ -26,7 +26,8 @@ class ModelBackend(NamedTuple):
       init_pages: ``num_blocks -> pages``: an empty KV page store for the pool (a
         ``KVPages`` or any pytree whose leaves are ``[..., num_blocks, block_size, F]``).
       vocab_size: V.
-      eos_token_id: stops generation unless ``ignore_eos``; None if the model has none.
+      eos_token_id: a custom backend's EOS (the engine config takes it from here; a
+        checkpoint's come from its files: ``EngineConfig.model.eos_token_ids``).
       max_position: longest sequence the model supports (None: unbounded).
       name: a short description for reports.
       propose: with a draft model, its proposal program (``paged_jax.engine.draft``:
@@ -99,19 +100,17 @@ def build_backend(model_spec, *, block_size: int, kv_cache_dtype: str, attention
 
     config = model_spec.architecture
     params, name = _weights(model_spec, config, model_spec.seed)
-    eos = model_spec.eos_token_ids or None
     if mesh is not None:
         from paged_jax.parallel.backend import shard_model, sharded_init
 
         config, params, step = shard_model(config, params, mesh, attention_impl)
         return ModelBackend(step=step, params=params,
                             init_pages=sharded_init(page_factory(config, block_size, kv_cache_dtype), mesh),
-                            vocab_size=config.vocab_size, eos_token_id=eos, max_position=config.max_seq_len,
+                            vocab_size=config.vocab_size, max_position=config.max_seq_len,
                             name=f"{name}, tensor parallel over {mesh.shape['model']} devices", mesh=mesh)
     target_pages = page_factory(config, block_size, kv_cache_dtype)
     backend = ModelBackend(step=make_model_step(config, attention_impl), params=params, init_pages=target_pages,
-                           vocab_size=config.vocab_size, eos_token_id=eos, max_position=config.max_seq_len,
-                           name=name)
+                           vocab_size=config.vocab_size, max_position=config.max_seq_len, name=name)
     if speculative is None or speculative.method != "draft_model":
         return backend
     from paged_jax.engine.draft import DraftPages, make_draft_steps

@@ -24,6 +24,7 @@ import numpy as np
 
 from paged_jax.backend import ModelBackend, build_backend
 from paged_jax.cache.sentinels import NO_BLOCK
+from paged_jax.config import blocks_for
 from paged_jax.engine import beam as beam_lib
 from paged_jax.engine.accounting import make_accounting
 from paged_jax.engine.config import EngineConfig
@@ -33,7 +34,7 @@ from paged_jax.engine.outputs import request_output
 from paged_jax.engine.prefix_cache import PrefixCacheCounters
 from paged_jax.engine.programs import NAN_TOKEN
 from paged_jax.engine.runner import ModelRunner
-from paged_jax.engine.sampling import Logprob, as_token_ids
+from paged_jax.engine.sampling import Logprob
 from paged_jax.engine.scheduler import Scheduler, SchedulerCounters
 from paged_jax.engine.sequence import FinishReason, SeqStatus, Sequence, SequenceGroup
 from paged_jax.engine.stats import EngineStats
@@ -77,7 +78,6 @@ class LLMEngine:
         self.scheduler = self._new_scheduler()
         self.tokenizer = config.model.tokenizer
         self.text = None if self.tokenizer is None else TextOutputs(self.tokenizer)
-        self.eos_token_id = config.model.eos_token_ids or None
         self.debug_checks = config.debug_checks
         self.stats = EngineStats(block_size=config.cache.block_size, num_blocks=config.cache.num_blocks)
 
@@ -295,7 +295,7 @@ class LLMEngine:
         (physical, unshared); a one-member request holds exactly its own blocks."""
         bs = self.runner.block_size
         lens = view.seq_lens[view.active]
-        unshared = int(((lens + bs - 1) // bs).sum())
+        unshared = int(blocks_for(lens, bs).sum())
         groups = [(g.request_id, [s.slot for s in g.seqs if s.row_live]) for g in self.scheduler.running]
         groups = [(rid, rows) for rid, rows in groups if len(rows) > 1]
         if not groups:
@@ -307,7 +307,7 @@ class LLMEngine:
         named = tables != NO_BLOCK
         pairs = np.unique(np.stack([np.broadcast_to(owner[:, None], tables.shape)[named], tables[named]]), axis=1)
         physical = np.bincount(pairs[0], minlength=len(groups))
-        private = np.bincount(owner, weights=(view.seq_lens[rows] + bs - 1) // bs, minlength=len(groups))
+        private = np.bincount(owner, weights=blocks_for(view.seq_lens[rows], bs), minlength=len(groups))
         return unshared, {rid: (int(physical[i]), int(private[i])) for i, (rid, _) in enumerate(groups)}
 
     def flush(self) -> None:
@@ -338,7 +338,7 @@ class LLMEngine:
             seq.output_logprobs.append(entry if entry is not None else {token: Logprob(logprob)})
         params = seq.params
         may_stop = len(seq.output_token_ids) >= getattr(params, "min_tokens", 0)
-        if may_stop and not params.ignore_eos and token in as_token_ids(self.eos_token_id):
+        if may_stop and not params.ignore_eos and token in self.config.model.eos_token_ids:
             seq.finish_reason = FinishReason.STOP
         elif may_stop and token in params.stop_token_ids:
             seq.finish_reason = FinishReason.STOP

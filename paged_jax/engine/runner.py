@@ -74,7 +74,6 @@ class ModelRunner:
         self.max_num_batched_tokens, self.decode_buckets = sched.max_num_batched_tokens, sched.decode_buckets
         self.num_speculative_tokens = config.speculative.num_speculative_tokens if config.speculative else 0
         self.prefix_caching = cache.prefix_caching
-        self.eos_token_ids = config.model.eos_token_ids
         self.cache_state = self.empty_state()
         self.pages = backend.init_pages(self.num_blocks)
         self.params = backend.params
@@ -120,7 +119,7 @@ class ModelRunner:
             self._run_swap_in(output.swap_in, statuses)
         for row in output.rows:
             self.inputs.bind(row.seq.slot, row.seq)
-        work = [prepare(row, self.eos_token_ids) for row in output.rows]
+        work = [prepare(row, self.config.model.eos_token_ids) for row in output.rows]
         outs, order = self._run_model(work, statuses)
         host_outs, host_statuses, host_reads = jax.device_get(
             (outs, [s for _, _, s in statuses], [data for _, data in swap_reads]))

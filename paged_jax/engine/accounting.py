@@ -116,4 +116,4 @@ def make_accounting(config) -> PagedAccounting | StaticAccounting:
     cache = config.cache
     if cache.mode == "paged":
         return PagedAccounting(cache.num_blocks, cache.block_size, cache.watermark)
-    return StaticAccounting(cache.num_blocks, cache.block_size, config.scheduler.max_model_len)
+    return StaticAccounting(cache.num_blocks, cache.block_size, config.model.max_model_len)

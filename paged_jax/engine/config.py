@@ -168,7 +168,6 @@ class SchedulerConfig:
       admission_policy: the order waiting requests are admitted in (``admission``).
       admission_lookahead: steps of the running sequences' growth kept free at admission.
       share_blocks: False: forks and beam selections copy every block (a baseline).
-      max_model_len: prompt + output tokens per sequence.
       speculative: ``SpeculativeConfig`` or None.
     """
 
@@ -181,7 +180,6 @@ class SchedulerConfig:
     admission_policy: Any = "fcfs"
     admission_lookahead: int = 0
     share_blocks: bool = True
-    max_model_len: int = DEFAULT_MAX_MODEL_LEN
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
@@ -348,19 +346,18 @@ class EngineArgs:
         self._check_names()
         speculative = None if self.speculative_config is None else SpeculativeConfig.from_dict(
             self.speculative_config)
-        parallel = self._parallel(speculative)
-        model = self._model_spec(speculative, parallel)
-        cache, max_model_len = self._cache(model, speculative, parallel)
-        model = dataclasses.replace(model, max_model_len=max_model_len)
-        scheduler = SchedulerConfig(
+        scheduler = SchedulerConfig(  # its own checks: modes, policies, the budget
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=(self.max_num_batched_tokens if self.max_num_batched_tokens is not None
                                     else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)),
             block_size=self.block_size, decode_buckets=self.decode_buckets, preemption_mode=self.preemption_mode,
             victim_policy=self.victim_policy, admission_policy=self.admission_policy,
-            admission_lookahead=self.admission_lookahead, share_blocks=self.share_blocks,
-            max_model_len=max_model_len, speculative=speculative,
+            admission_lookahead=self.admission_lookahead, share_blocks=self.share_blocks, speculative=speculative,
         )
+        parallel = self._parallel(speculative)
+        model = self._model_spec(speculative, parallel)
+        cache, max_model_len = self._cache(model, speculative, parallel)
+        model = dataclasses.replace(model, max_model_len=max_model_len)
         if speculative is not None and speculative.num_speculative_tokens + 1 > cache.max_blocks_per_seq * self.block_size:
             raise ValueError(
                 f"num_speculative_tokens={speculative.num_speculative_tokens}: a round feeds k + 1 tokens, more "
@@ -401,13 +398,6 @@ class EngineArgs:
         if self.generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config={self.generation_config!r}: 'auto' (the checkpoint's "
                              "generation_config.json defaults) or 'vllm' (SamplingParams' own)")
-        _check_count("max_num_seqs", self.max_num_seqs)
-        buckets.decode_buckets(self.max_num_seqs, self.decode_buckets)
-        # The scheduler's own checks (modes, policies, budget), on a minimal instance.
-        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=1, block_size=self.block_size,
-                        preemption_mode=self.preemption_mode, victim_policy=self.victim_policy,
-                        admission_policy=self.admission_policy, admission_lookahead=self.admission_lookahead,
-                        share_blocks=self.share_blocks)
         CacheConfig(num_blocks=1, block_size=self.block_size)  # block_size: a power of two in [1, 256]
 
     def _parallel(self, speculative) -> ParallelConfig:

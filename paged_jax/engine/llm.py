@@ -21,9 +21,7 @@ unfinished request and empties the pool, so the next call starts clean.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import threading
 import warnings
 
 from paged_jax.compilation_cache import enable_compilation_cache, mappings_pressure
@@ -34,13 +32,10 @@ from paged_jax.engine.engine import LLMEngine
 from paged_jax.engine.outputs import RequestOutput, is_done
 from paged_jax.engine.progress import Progress
 from paged_jax.engine.prompts import normalise_prompts
-from paged_jax.engine.router import Router
+from paged_jax.engine.router import Router, run_engines
 from paged_jax.engine.sampling import SamplingParams
 from paged_jax.engine.sequence import SequenceGroup
-
-# Counters that add up over replicas in ``stats``.
-_ADDITIVE = ("steps", "generated_tokens", "prefill_tokens", "num_preemptions", "swap_outs", "swap_ins", "compiles",
-             "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "prefix_cache_evictions")
+from paged_jax.engine.stats import merged_summary
 
 
 class LLM:
@@ -163,21 +158,11 @@ class LLM:
                 self.router.forget(g.request_id)
 
     def _run(self, groups: list[SequenceGroup], use_tqdm: bool) -> None:
-        """Step every busy engine to completion (several: one thread each, a replica's step
-        waits on its own devices only); on any exception (Ctrl-C included) every engine is
-        reset and it is re-raised."""
+        """Step every busy engine to completion (``router.run_engines``); on any exception
+        (Ctrl-C included) every engine is reset and it is re-raised."""
         bar = Progress(groups, self.engines) if use_tqdm else None
-        busy = [e for e in self.engines if e.has_unfinished()]
         try:
-            if len(busy) == 1:
-                engine = busy[0]
-                while engine.has_unfinished():
-                    engine.step()
-                    if bar is not None:
-                        bar.update()
-                engine.flush()
-            elif busy:
-                self._run_threads(busy, bar)
+            run_engines([e for e in self.engines if e.has_unfinished()], None if bar is None else bar.update)
         except BaseException:
             for engine in self.engines:
                 engine.reset()
@@ -185,29 +170,6 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-
-    @staticmethod
-    def _run_threads(engines: list[LLMEngine], bar) -> None:
-        stop = threading.Event()
-
-        def drive(engine: LLMEngine) -> None:
-            while engine.has_unfinished() and not stop.is_set():
-                engine.step()
-            engine.flush()
-
-        with concurrent.futures.ThreadPoolExecutor(len(engines), thread_name_prefix="replica") as pool:
-            pending = {pool.submit(drive, e) for e in engines}
-            try:
-                while pending:
-                    done, pending = concurrent.futures.wait(pending, timeout=0.2,
-                                                            return_when=concurrent.futures.FIRST_EXCEPTION)
-                    for f in done:
-                        f.result()  # re-raises a replica's exception here
-                    if bar is not None:
-                        bar.update()
-            except BaseException:
-                stop.set()
-                raise
 
     def warmup(self, use_tqdm: bool = True) -> int:
         """Compile every program a plain (non-speculative, no logprobs) step can call, up
@@ -341,11 +303,7 @@ class LLM:
         replicas: each one's under "replicas", the additive counters summed."""
         if len(self.engines) == 1:
             return self.engine.summary()
-        per = [e.summary() for e in self.engines]
-        out = {k: sum(s[k] for s in per) for k in _ADDITIVE}
-        out.update(data_parallel_size=len(self.engines), tensor_parallel_size=self.config.parallel.tensor_parallel_size,
-                   replicas=per)
-        return out
+        return merged_summary([e.summary() for e in self.engines], self.config.parallel.tensor_parallel_size)
 
     def reset_stats(self) -> None:
         """Start counting afresh (e.g. after a warm-up run); the trace counts are kept."""

@@ -14,6 +14,8 @@ the front end, so a request's outputs do not depend on which replica ran it.
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -95,3 +97,38 @@ class Router:
     def forget(self, request_id: str) -> None:
         self.owner.pop(request_id, None)
         self.cost.pop(request_id, None)
+
+
+def run_engines(engines: list, on_progress: Callable[[], None] | None = None) -> None:
+    """Step ``engines`` until none has unfinished work, then release their last rows. One
+    engine steps on the caller's thread; several step concurrently, one thread each (a
+    replica's step waits on its own devices only). The first exception is re-raised after
+    the others stop at their next step."""
+    if len(engines) == 1:
+        engine = engines[0]
+        while engine.has_unfinished():
+            engine.step()
+            if on_progress is not None:
+                on_progress()
+        engine.flush()
+        return
+    stop = threading.Event()
+
+    def drive(engine) -> None:
+        while engine.has_unfinished() and not stop.is_set():
+            engine.step()
+        engine.flush()
+
+    with concurrent.futures.ThreadPoolExecutor(max(len(engines), 1), thread_name_prefix="replica") as pool:
+        pending = {pool.submit(drive, e) for e in engines}
+        try:
+            while pending:
+                done, pending = concurrent.futures.wait(pending, timeout=0.2,
+                                                        return_when=concurrent.futures.FIRST_EXCEPTION)
+                for f in done:
+                    f.result()  # re-raises a replica's exception here
+                if on_progress is not None:
+                    on_progress()
+        except BaseException:
+            stop.set()
+            raise

@@ -186,3 +186,16 @@ class EngineStats:
             out[f"{name}_tokens_per_s"] = generated / steady if steady > 0 else 0.0
             out[f"{name}_mean_running_batch"] = sum(row.batch for row in rows) / len(rows) if rows else 0.0
         return out
+
+
+# Counters that add up over data-parallel replicas.
+ADDITIVE = ("steps", "generated_tokens", "prefill_tokens", "num_preemptions", "swap_outs", "swap_ins", "compiles",
+            "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "prefix_cache_evictions")
+
+
+def merged_summary(per_replica: list[dict], tensor_parallel_size: int) -> dict:
+    """One summary over replicas: the additive counters summed, each replica's summary under
+    "replicas"."""
+    out = {k: sum(s[k] for s in per_replica) for k in ADDITIVE}
+    out.update(data_parallel_size=len(per_replica), tensor_parallel_size=tensor_parallel_size, replicas=per_replica)
+    return out

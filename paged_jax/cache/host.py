@@ -472,6 +472,8 @@ class HostBlockManager:
     # receiver is unchanged (each returns a copy).
 
     def _after(self, op: str, *args, **kwargs) -> HostBlockManager:
+        if all(np.size(a) == 0 or (np.ndim(a) == 1 and np.all(np.asarray(a) == NO_SEQ)) for a in args[:1]):
+            return self  # nothing to do: the model as it is (what-ifs never change their receiver)
         new = self.copy(elastic=True)
         out = getattr(new, op)(*args, **kwargs)
         status = out[0] if isinstance(out, tuple) else out

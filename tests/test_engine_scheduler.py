@@ -210,3 +210,27 @@ def test_kv_cache_memory_bytes_sizes_the_pool():
     llm = LLM(fake_backend(BS), block_size=BS, kv_cache_memory_bytes=per_block * 20 + 5, max_model_len=MAX_LEN,
               max_num_seqs=4)
     assert llm.num_gpu_blocks == 20
+
+
+def test_admission_policies_order_the_waiting_queue_and_keep_the_outputs():
+    """One row at a time, so admission order is the order requests run: "priority"
+    admits lower priorities first (ties in arrival order), "shortest_prompt_first" the
+    shortest prompts; FCFS keeps arrival order. The outputs are those of FCFS."""
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8], [9, 10, 11, 12], [13, 14, 15]]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    def order(**kw):
+        llm = _llm(max_num_seqs=1, **{k: v for k, v in kw.items() if k != "priority"})
+        outs = llm.generate(prompts, params, use_tqdm=False, priority=kw.get("priority"))
+        ran = sorted(range(len(outs)), key=lambda i: outs[i].metrics.first_token_time)
+        assert_drained(llm)
+        return ran, _tokens(outs)
+
+    fcfs, want = order()
+    assert fcfs == [0, 1, 2, 3]
+    assert order(admission_policy="priority", priority=[2, 0, 1, 0]) == ([1, 3, 2, 0], want)
+    assert order(admission_policy="shortest_prompt_first") == ([1, 3, 2, 0], want)
+    with pytest.raises(ValueError, match="priority"):
+        _llm().generate(prompts, params, use_tqdm=False, priority=[0, 1])
+    with pytest.raises(ValueError, match="admission_policy='sjf'"):
+        _llm(admission_policy="sjf")

@@ -69,12 +69,13 @@ class InputBatch:
         self.frequency = np.zeros(n, np.float32)
         self.repetition = np.ones(n, np.float32)
         self.top_temperature = np.zeros(n, np.float32)  # the top-K's distribution (0: the raw model's)
-        self._owner: list[int | None] = [None] * n  # id() of the sequence the row's settings are for
+        # The sequence each row's settings are for (held, so its identity cannot be reused).
+        self._owner: list = [None] * n
 
     def bind(self, slot: int, seq) -> None:
         """Write ``seq``'s settings into row ``slot`` unless they are there already. A beam
         member samples greedily and reports its top-K at the search's temperature."""
-        if self._owner[slot] == id(seq):
+        if self._owner[slot] is seq:
             return
         p = seq.params
         beam = seq.group is not None and seq.group.beam is not None
@@ -87,11 +88,10 @@ class InputBatch:
         self.frequency[slot] = 0.0 if beam else p.frequency_penalty
         self.repetition[slot] = 1.0 if beam else p.repetition_penalty
         self.top_temperature[slot] = p.temperature if beam else 0.0
-        self._owner[slot] = id(seq)
+        self._owner[slot] = seq
 
     def clear(self) -> None:
-        """Forget every binding (after an engine reset: rows may be reused by new sequences
-        that happen to get the same ``id``)."""
+        """Forget every binding (after an engine reset)."""
         self._owner = [None] * len(self._owner)
 
     def sampling(self, items: list[Work], size: int) -> SamplingBatch:

@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 JOBS ?= 2
 
-.PHONY: demo test bench notebooks lint fmt clean
+.PHONY: demo test test-fast bench notebooks lint fmt clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ demo: $(STAMP)
 # never rerun (--only-rerun matches no real error).
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(JOBS) tests notebooks --nbmake --reruns 2 --only-rerun WORKER_CRASHES_ONLY
+
+# The inner loop (< 3 min on 2 cores): everything but the tests marked slow and the notebooks.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n $(JOBS) tests -m "not slow" --reruns 2 --only-rerun WORKER_CRASHES_ONLY
 
 bench: $(STAMP)
 	$(PY) -m experiments all --out out

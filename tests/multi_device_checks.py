@@ -102,7 +102,7 @@ def stream(llm, prompts, params, fetches: list | None = None) -> tuple[list, int
     ``fetches``: gets the ``jax.device_get`` calls each step made. Returns the tokens,
     the steps and each request's replica."""
     ids = [llm.add_request({"prompt_token_ids": p}, sp) for p, sp in zip(prompts, params, strict=True)]
-    owners = [getattr(llm, "_owner", {}).get(i, 0) for i in ids]
+    owners = [llm.router.owner.get(i, 0) for i in ids]
     finished, steps = {}, 0
     device_get = jax.device_get
     while llm.has_unfinished_requests():

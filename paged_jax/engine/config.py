@@ -411,7 +411,7 @@ class EngineArgs:
             return ParallelConfig(data_parallel_policy=self.data_parallel_policy)
         if isinstance(self.model, ModelBackend):
             raise ValueError("a mesh (tensor_parallel_size > 1 or mesh=...) needs the model as a checkpoint "
-                             "or a ModelConfig, not a ModelBackend")
+                             "directory or a ModelConfig, not a ModelBackend")
         check_supported(mesh, speculative=speculative, preemption_mode=self.preemption_mode)
         t, d = mesh_sizes(mesh)
         return ParallelConfig(tensor_parallel_size=t, data_parallel_size=d, mesh=mesh,

@@ -8,7 +8,7 @@
    ``LLM.beam_search`` at widths 2, 4 and 8, all in one batch with a roomy pool. Beams
    share the prompt and whatever history they have in common (copy-on-write), and the
    study measures physical blocks against the same beams with every block private
-   (``experiments/sharing.py``).
+   (``experiments/lib/sharing.py``).
 2. **Shared-prefix sweep** (C6's second half: savings above 30% once the shared prefix
    is over 15% of the decode length): width 4, a fixed decode length, prompts (the
    prefix every beam shares) from 5% to 100% of it.
@@ -32,8 +32,8 @@ import argparse
 
 import numpy as np
 
-from experiments import sharing
 from experiments.common import machine_info, print_headline, pyplot, write_json
+from experiments.lib import models, sharing, timing
 
 WIDTHS = (2, 4, 8)
 QUICK_WIDTHS = (2, 4)
@@ -59,7 +59,7 @@ def sweep_requests(decode_len: int, num_requests: int, fractions=PREFIX_FRACTION
     from paged_jax import workloads
 
     return {f: workloads.fixed_length(num_requests, prompt_len=max(1, round(f * decode_len)), output_len=decode_len,
-                                      vocab_size=sharing.VOCAB, seed=1) for f in fractions}
+                                      vocab_size=models.VOCAB, seed=1) for f in fractions}
 
 
 def prefix_sweep(streams: dict[float, list], make_engine, width: int = 4) -> list[dict]:
@@ -82,14 +82,14 @@ def step_overhead(num_requests: int, width: int, prompt_len: int, decode_len: in
     times for greedy), lengths and rows. The two alternate ``repeats`` times after a
     compiling run each, so machine noise falls on both; each side's figure is the median
     of its decode steps (prefill steps excluded)."""
-    from experiments.throughput import study_model
     from paged_jax import workloads
+    from paged_jax.config import blocks_for
     from paged_jax.engine import LLM, BeamSearchParams, SamplingParams
 
     batch = num_requests * width
     max_model_len = prompt_len + decode_len
-    model = study_model(max_model_len)
-    engine = dict(block_size=sharing.BLOCK_SIZE, num_gpu_blocks=batch * -(-max_model_len // sharing.BLOCK_SIZE),
+    model = models.llama_33m(max_model_len)
+    engine = dict(block_size=sharing.BLOCK_SIZE, num_gpu_blocks=batch * blocks_for(max_model_len, sharing.BLOCK_SIZE),
                   max_num_seqs=batch, max_model_len=max_model_len, max_num_batched_tokens=max(512, batch),
                   attention_impl="xla")
     reqs = workloads.fixed_length(num_requests, prompt_len=prompt_len, output_len=decode_len,
@@ -107,7 +107,7 @@ def step_overhead(num_requests: int, width: int, prompt_len: int, decode_len: in
             llm.reset_stats()
             llm.generate(ps, params, use_tqdm=False)
             if rep:
-                times[kind] += sharing.decode_step_seconds(llm, batch)
+                times[kind] += timing.decode_step_seconds(llm, batch)
     beam_s, greedy_s = float(np.median(times["beam"])), float(np.median(times["greedy"]))
     return {"batch": batch, "beam_width": width, "prompt_len": prompt_len, "decode_len": decode_len,
             "repeats": repeats, "steps_measured": {k: len(v) for k, v in times.items()},
@@ -121,7 +121,6 @@ def sharing_throughput(requests, width: int, budget_fraction: float, repeats: in
     on the throughput study's model (``small_model``: the memory runs' 2-layer one, for
     quick runs). The engines alternate ``repeats`` times after a compiling run each; the
     figure is the median tokens/s (compile excluded)."""
-    from experiments.throughput import study_model
     from paged_jax.config import blocks_for
     from paged_jax.engine import LLM, BeamSearchParams
 
@@ -131,7 +130,7 @@ def sharing_throughput(requests, width: int, budget_fraction: float, repeats: in
     # At least one whole search unshared, at full length: every request can run alone.
     blocks = max(int(np.ceil(budget_fraction * demand)), width * (max_model_len // bs))
     rows = len(requests) * width
-    model = (sharing.memory_model if small_model else study_model)(max_model_len)
+    model = (models.memory_model if small_model else models.llama_33m)(max_model_len)
     prompts = [list(r.prompt_token_ids) for r in requests]
     params = [BeamSearchParams(beam_width=width, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
     engines = {share: LLM(model, block_size=bs, num_gpu_blocks=blocks, max_num_seqs=rows,

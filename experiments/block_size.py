@@ -22,7 +22,7 @@ Measured, for block sizes 1, 2, 4, ..., 256 (``BLOCK_SIZES``):
    roomy pool, one token budget), so every block size runs the same schedule and its
    engine's fragmentation (1 - sum of tokens held / sum of slots allocated over steps) must
    equal the arithmetic of item 1 on those requests exactly. All engines are stepped in
-   turn (``experiments.throughput.run_interleaved``), so machine load hits all alike.
+   turn (``experiments.lib.comparison.run_interleaved``), so machine load hits all alike.
    Throughput = tokens generated in steps that compiled nothing / those steps' wall time,
    the median of ``ENGINE_PASSES`` passes over the stream (the later passes compile
    nothing); peak memory = peak blocks allocated x bytes per block.
@@ -64,7 +64,8 @@ import time
 import numpy as np
 
 from experiments.common import machine_info, pyplot, write_json
-from experiments.throughput import run_interleaved
+from experiments.lib import comparison, models
+from paged_jax.config import blocks_for
 
 BLOCK_SIZES = tuple(2**i for i in range(9))  # 1 .. 256
 QUICK_BLOCK_SIZES = (16, 64)  # the measured parts in --quick
@@ -79,23 +80,16 @@ IMPLS = ("xla", "reference")
 ALLOC_REPEATS = 100
 TABLE_SEQS, TABLE_LEN = 256, 4096
 POOL_BYTES_C1 = 40 * 2**30  # C1's 40 GB reservation, as a pool
-VOCAB = 2048
 
 
 # ------------------------------------------------------------------------ models
 
 
-def study_model(max_model_len: int):
-    """The small random-weight Llama of the decode-step timings (2 layers, d=128, GQA 4:2)."""
-    from experiments.memory import study_model as small
-
-    return small(max_model_len)
-
-
 def engine_model(block_size: int, max_model_len: int):
-    """The engine's model at ``block_size`` (the same small Llama; a test swaps in its fake)."""
+    """The engine's model at ``block_size`` (``models.memory_model``, the small random-weight
+    Llama of the decode-step timings; a test swaps in its fake)."""
     del block_size  # a ModelConfig serves every block size
-    return study_model(max_model_len)
+    return models.memory_model(max_model_len)
 
 
 def real_models() -> dict:
@@ -325,21 +319,21 @@ def engine_rows(block_sizes, max_model_len: int, num_requests: int, passes: int)
     from paged_jax.engine import LLM
     from paged_jax.workloads import sharegpt_like
 
-    requests = sharegpt_like(num_requests, max_model_len=max_model_len, vocab_size=VOCAB, seed=0)
+    requests = sharegpt_like(num_requests, max_model_len=max_model_len, vocab_size=models.VOCAB, seed=0)
     prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
     # One token budget for every prompt: all are prefilled whole in the first step, so each
     # sequence holds exactly prompt, prompt + 1, ..., as the arithmetic assumes.
     budget = max(prompt_tokens, num_requests, 256)
-    engines = {}
+    llms = {}
     for bs in block_sizes:
-        width = -(-max_model_len // bs)
-        engines[bs] = LLM(engine_model(bs, max_model_len), block_size=bs, num_gpu_blocks=num_requests * width,
+        width = blocks_for(max_model_len, bs)
+        llms[bs] = LLM(engine_model(bs, max_model_len), block_size=bs, num_gpu_blocks=num_requests * width,
                           max_num_seqs=num_requests, max_model_len=max_model_len, max_num_batched_tokens=budget,
                           attention_impl="xla", seed=0)
-    outputs = run_interleaved(engines, requests)
+    outputs = comparison.run_interleaved(llms, requests)
     first, last = held_lengths(requests)
     rows = []
-    for bs, llm in engines.items():
+    for bs, llm in llms.items():
         s = llm.stats()
         t = llm.engine.stats.timeline
         held = sum(r.tokens_held for r in t)
@@ -362,10 +356,10 @@ def engine_rows(block_sizes, max_model_len: int, num_requests: int, passes: int)
             "outputs_equal_first": outputs[bs] == outputs[block_sizes[0]],
         })
     for _ in range(passes - 1):  # compiled already: these passes time the steady state only
-        for llm in engines.values():
+        for llm in llms.values():
             llm.reset_stats()
-        run_interleaved(engines, requests)
-        for row, llm in zip(rows, engines.values()):
+        comparison.run_interleaved(llms, requests)
+        for row, llm in zip(rows, llms.values()):
             row["tokens_per_s_by_pass"].append(clean_tokens_per_s(llm))
     for row in rows:
         row["tokens_per_s"] = float(np.median(row["tokens_per_s_by_pass"]))
@@ -488,12 +482,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  {name}: {parts[name]:.1f} s", flush=True)
         return out
 
-    models = timed_part("real_models", lambda: {name: model_bytes(cfg) for name, cfg in real_models().items()})
+    shapes = timed_part("real_models", lambda: {name: model_bytes(cfg) for name, cfg in real_models().items()})
     tables = timed_part("tables", lambda: [{"block_size": bs, "table_bytes": table_bytes(bs)} for bs in BLOCK_SIZES])
     frag = timed_part("fragmentation", fragmentation_table, BLOCK_SIZES)
     allocator = timed_part("allocator", lambda: [append_cost_us(bs, repeats) for bs in
                                                  tqdm(measured, desc="append_slots", disable=args.quick)])
-    config = study_model(STEP["max_model_len"])
+    config = models.memory_model(STEP["max_model_len"])
     step_kw = {k: STEP[k] for k in ("batch", "context", "max_model_len")}
     step_kw["repeats"] = STEP["repeats"] // 2 if args.quick else STEP["repeats"]
     steps = timed_part("decode_step", decode_step_ms, config, [(bs, impl) for bs in measured for impl in IMPLS],
@@ -503,7 +497,7 @@ def main(argv: list[str] | None = None) -> dict:
     print("\nreal model shapes, 16-token blocks, fp16/bf16 (the seed: ~1 KB per token per layer, ~16 KB per block):")
     print(f"  {'model':10s}{'B/token/layer':>15s}{'block/layer':>13s}{'block, all layers':>19s}{'blocks in 40GiB':>17s}"
           f"  block sizes at 8-64 KB/layer")
-    for name, m in models.items():
+    for name, m in shapes.items():
         print(f"  {name:10s}{m['kv_bytes_per_token_per_layer']:>15,d}{m['block_bytes_per_layer']:>13,d}"
               f"{m['block_bytes']:>19,d}{m['blocks_in_40GiB']:>17,d}  {m['block_sizes_with_8_to_64KB_per_layer']}")
     table_100k = {"blocks": 100_000, "bytes_per_entry": 4, "bytes": 100_000 * 4,
@@ -542,7 +536,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "length_context": LENGTH_CONTEXT, "fragmentation_requests": FRAG_REQUESTS,
                    "engine": engine_cfg, "step": STEP, "impls": list(IMPLS), "pallas": "skipped: interpret mode on CPU",
                    "allocator_repeats": repeats, "table": {"max_seqs": TABLE_SEQS, "max_len": TABLE_LEN}},
-        "real_models": models,
+        "real_models": shapes,
         "table_100k_blocks": table_100k,
         "fragmentation": frag,
         "tables": tables,
@@ -564,10 +558,10 @@ def main(argv: list[str] | None = None) -> dict:
 
 def claims(result: dict) -> list[dict]:
     """C4 and C7's verdicts from the saved JSON."""
-    h, models = result["headline"], result["real_models"]
-    per_token_layer = {name: m["kv_bytes_per_token_per_layer"] for name, m in models.items()}
+    h, shapes = result["headline"], result["real_models"]
+    per_token_layer = {name: m["kv_bytes_per_token_per_layer"] for name, m in shapes.items()}
     over = {name: b / 1024 for name, b in per_token_layer.items()}  # the seed's ~1 KB, as a multiple
-    layers = [m["layers"] for m in models.values()]
+    layers = [m["layers"] for m in shapes.values()]
     table_ok = abs(h["table_bytes_100k_blocks"] - 400_000) <= 40_000
     bytes_ok = any(1 / 1.5 <= x <= 1.5 for x in over.values())
     c4 = {

@@ -37,25 +37,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.common import machine_info, write_json
+from experiments.lib import models, steps
 from paged_jax.buckets import bucket, pad_decode
-from paged_jax.cache import append_slots, init_state, open_sequences, raise_for_status, release
-from paged_jax.config import CacheConfig
-from paged_jax.kv import copy_blocks
-from paged_jax.model import (
-    ModelConfig,
-    forward,
-    init_contiguous_kv,
-    init_params,
-    logits_from_hidden,
-    make_contiguous_attend,
-)
-from paged_jax.steps import abstract_graphdef, init_pages_for, make_step_fns
-
-MODEL = ModelConfig(
-    vocab_size=2048, hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8,
-    num_kv_heads=4, head_dim=32, max_position_embeddings=4096,
-)
-TARGET_SHARE = 0.05
+from paged_jax.cache import init_state, open_sequences, raise_for_status, release
+from paged_jax.config import CacheConfig, blocks_for
+from paged_jax.model import init_contiguous_kv, init_params
+from paged_jax.steps import init_pages_for, make_step_fns
 
 
 def _parse(argv):
@@ -84,26 +71,10 @@ def _time(fn: Callable[[], object], reps: int, rounds: int) -> float:
     return best
 
 
-def _filled_state(cc: CacheConfig, policy: str, batch: int, context: int):
-    """A cache state with rows 0..batch-1 live, each holding ``context`` tokens."""
-    state = init_state(cc, policy)
-    ids = jnp.arange(batch, dtype=jnp.int32)
-    state, status = open_sequences(state, ids)
-    raise_for_status("open", ids, status)
-    fill = jax.jit(lambda s, i, n: append_slots(s, i, n, max_tokens=context))
-    state, res = fill(state, ids, jnp.full((batch,), context, jnp.int32))
-    raise_for_status("fill", ids, res.status)
-    return state
-
-
-def _copy(tree):
-    return jax.tree.map(jnp.copy, tree)
-
-
 def _measure_batch(batch, *, cfg, params, fns, cc, policy, context, reps, rounds, rng, contiguous_step):
     ids = jnp.arange(batch, dtype=jnp.int32)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, batch), jnp.int32)
-    base_state = _filled_state(cc, policy, batch, context)
+    base_state = steps.filled_state(cc, policy, batch, context)
     key = jax.random.PRNGKey(batch)
     pages0 = init_pages_for(cfg, cc)
     pages0 = pages0.replace(
@@ -112,7 +83,7 @@ def _measure_batch(batch, *, cfg, params, fns, cc, policy, context, reps, rounds
     )
 
     # Full paged decode step; state and pages are donated and threaded through.
-    box = {"state": _copy(base_state), "pages": _copy(pages0)}
+    box = {"state": steps.copy_tree(base_state), "pages": steps.copy_tree(pages0)}
 
     def paged_call():
         logits, box["state"], box["pages"], status = fns.decode(params, box["state"], box["pages"], tokens, ids)
@@ -124,8 +95,8 @@ def _measure_batch(batch, *, cfg, params, fns, cc, policy, context, reps, rounds
         raise RuntimeError(f"decode rejected during timing (status {status}); raise the pool size")
 
     # Block management alone: the same append_slots + copy_blocks, same donation.
-    box = {"state": _copy(base_state), "pages": pages0}
-    mgmt = _mgmt_fn()
+    box = {"state": steps.copy_tree(base_state), "pages": pages0}
+    mgmt = steps.mgmt_fn()
     ones = jnp.ones((batch,), jnp.int32)
 
     def mgmt_call():
@@ -155,37 +126,7 @@ def _measure_batch(batch, *, cfg, params, fns, cc, policy, context, reps, rounds
     }
 
 
-_MGMT = {}
-
-
-def _mgmt_fn():
-    """jit(append_slots + copy_blocks) with state and pages donated (built once)."""
-    if "fn" not in _MGMT:
-
-        def mgmt(state, pages, ids, num_tokens):
-            state, res = append_slots(state, ids, num_tokens, max_tokens=1)
-            pages = copy_blocks(pages, res.copy_src, res.copy_dst)
-            return state, pages, res.slot_mapping
-
-        _MGMT["fn"] = jax.jit(mgmt, donate_argnums=(0, 1))
-    return _MGMT["fn"]
-
-
-def make_contiguous_decode(cfg: ModelConfig):
-    """jit(params, kv, tokens int32[B], lengths int32[B]) -> (logits, kv, lengths + 1); kv donated."""
-    graphdef = abstract_graphdef(cfg)
-
-    def step(params, kv, tokens, lengths):
-        positions = lengths[:, None]
-        new_len = lengths + 1
-        attend = make_contiguous_attend(positions, new_len, jnp.ones_like(lengths))
-        hidden, kv = forward(graphdef, params, tokens[:, None], positions, kv, attend)
-        return logits_from_hidden(graphdef, params, hidden[:, 0]), kv, new_len
-
-    return jax.jit(step, donate_argnums=(1,))
-
-
-def _compile_run(fns, params, cfg, cc, policy, steps, max_batch, rng, traces):
+def _compile_run(fns, params, cfg, cc, policy, num_steps, max_batch, rng, traces):
     """Decode-only run: sequences join (empty, first token decoded), grow and leave.
 
     Live count wanders in (max_batch/4, max_batch], so buckets max_batch/2 and max_batch
@@ -199,7 +140,7 @@ def _compile_run(fns, params, cfg, cc, policy, steps, max_batch, rng, traces):
     lo, hi = max_batch // 4 + 1, max_batch
     buckets_used = set()
     want = hi
-    for step in range(steps):
+    for step in range(num_steps):
         if step % 8 == 0:
             want = int(rng.integers(lo, hi + 1))
         while len(live) > want or (live and state.seq_lens[live[0]] >= cc.max_tokens_per_seq - 1):
@@ -216,7 +157,7 @@ def _compile_run(fns, params, cfg, cc, policy, steps, max_batch, rng, traces):
         raise_for_status("decode", seq_ids, status)
     new = traces[before:]
     return {
-        "steps": steps,
+        "steps": num_steps,
         "batch_range": [lo, hi],
         "buckets_used": sorted(buckets_used),
         "decode_traces_total": sum(1 for name, _ in traces if name == "decode"),
@@ -238,16 +179,16 @@ def main(argv=None) -> int:
     max_batch = max(batch_sizes)
     # Room for the timed steps of the largest batch (warm-up + rounds * reps, twice).
     extra = 2 * (1 + rounds * reps) + 8
-    per_seq = -(-(context + extra) // bs)
+    per_seq = blocks_for(context + extra, bs)
     cc = CacheConfig(num_blocks=max_batch * per_seq + 8, block_size=bs, max_seqs=max_batch, max_blocks_per_seq=per_seq)
-    cfg = MODEL
+    cfg = models.DECODE_STEP_MODEL
     rng = np.random.default_rng(args.seed)
     t_start = time.perf_counter()
 
     _, params = init_params(cfg, seed=args.seed)
     traces: list[tuple[str, tuple]] = []
     fns = make_step_fns(cfg, attention_impl="xla", on_trace=lambda name, shape: traces.append((name, shape)))
-    contiguous_step = make_contiguous_decode(cfg)
+    contiguous_step = steps.make_contiguous_decode(cfg)
 
     rows = []
     for b in batch_sizes:
@@ -278,8 +219,8 @@ def main(argv=None) -> int:
             "batch": head_row["batch"],
             "block_mgmt_share": head_row["block_mgmt_share"],
             "paged_over_contiguous": head_row["paged_over_contiguous"],
-            "block_mgmt_share_target": TARGET_SHARE,
-            "block_mgmt_share_met": head_row["block_mgmt_share"] <= TARGET_SHARE,
+            "block_mgmt_share_target": steps.MGMT_TARGET_SHARE,
+            "block_mgmt_share_met": head_row["block_mgmt_share"] <= steps.MGMT_TARGET_SHARE,
             "decode_compiles": compiles["decode_traces_total"],
             "buckets_used": len(set(compiles["traced_shapes"]) | set(compiles["buckets_used"])),
         },

@@ -23,8 +23,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from experiments import sharing
 from experiments.common import machine_info, print_headline, pyplot, write_json
+from experiments.lib import models, sharing
 
 POOL_FRACTIONS = (0.15, 0.25, 0.4, 0.6, 1.0)
 QUICK_POOL_FRACTIONS = (0.25, 1.0)
@@ -41,7 +41,7 @@ class Trace(NamedTuple):
 def make_trace(num_waves: int, per_wave: int, num_prefixes: int, followup: float, seed: int = 0,
                zipf: float = 1.2) -> Trace:
     rng = np.random.default_rng(seed)
-    prefixes = [rng.integers(0, sharing.VOCAB, int(rng.integers(48, 161))).tolist() for _ in range(num_prefixes)]
+    prefixes = [rng.integers(0, models.VOCAB, int(rng.integers(48, 161))).tolist() for _ in range(num_prefixes)]
     weights = 1.0 / np.arange(1, num_prefixes + 1) ** zipf
     weights /= weights.sum()
     waves, seen = [], 0
@@ -50,7 +50,7 @@ def make_trace(num_waves: int, per_wave: int, num_prefixes: int, followup: float
         for _ in range(per_wave):
             earlier = int(rng.integers(seen)) if seen and rng.random() < followup else -1
             prefix = int(rng.choice(num_prefixes, p=weights))
-            message = rng.integers(0, sharing.VOCAB, int(rng.integers(16, 49))).tolist()
+            message = rng.integers(0, models.VOCAB, int(rng.integers(16, 49))).tolist()
             wave.append((prefix, earlier, message, int(rng.integers(16, 33))))
         waves.append(wave)
         seen += per_wave
@@ -66,7 +66,7 @@ def run(trace: Trace, policy: str, num_blocks: int, max_model_len: int, max_num_
     """The whole trace through one engine; the hit rate and counters."""
     from paged_jax.engine import LLM, SamplingParams
 
-    llm = LLM(sharing.memory_model(max_model_len), block_size=sharing.BLOCK_SIZE, num_gpu_blocks=num_blocks,
+    llm = LLM(models.memory_model(max_model_len), block_size=sharing.BLOCK_SIZE, num_gpu_blocks=num_blocks,
               max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=1024,
               attention_impl="xla", enable_prefix_caching=True, eviction_policy=policy)
     history: list[list[int]] = []  # per request so far: prompt + answer
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     fractions = QUICK_POOL_FRACTIONS if quick else POOL_FRACTIONS
     working, longest = working_set(trace)
     bs = sharing.BLOCK_SIZE
-    max_model_len = bs * -(-longest // bs)
+    max_model_len = bs * blocks_for(longest, bs)
     max_num_seqs = 8
     floor = max_num_seqs * blocks_for(max_model_len, bs) // 2  # room for a wave to run at all
     sizes = sorted({max(int(f * working), floor) for f in fractions})

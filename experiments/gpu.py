@@ -213,11 +213,11 @@ def stop_at(llm, deadline: float) -> None:
 
 def throughput_model(quick: bool, max_model_len: int):
     """Llama-3.2-1B's shape in bf16 (random weights); ``quick``: the 2-layer stand-in."""
-    from experiments.quantized import one_b
+    from experiments.lib import models
 
     if quick:
-        return one_b(quick=True).replace(max_position_embeddings=max_model_len)
-    return one_b(quick=False).replace(dtype="bfloat16", max_position_embeddings=max_model_len)
+        return models.one_b(quick=True).replace(max_position_embeddings=max_model_len)
+    return models.one_b(quick=False).replace(dtype="bfloat16", max_position_embeddings=max_model_len)
 
 
 def params_label(config) -> str:
@@ -226,8 +226,8 @@ def params_label(config) -> str:
 
 
 def part_throughput(out_dir: str, quick: bool, deadline: float, attention: str = "xla", **_) -> dict:
-    """Part 3: paged vs static engines on the 1B shape, stepped in turn (``throughput.run_interleaved``)."""
-    from experiments import throughput
+    """Part 3: paged vs static engines on the 1B shape, stepped in turn (``comparison.run_interleaved``)."""
+    from experiments.lib import comparison, timing
     from paged_jax.config import blocks_for
     from paged_jax.engine import LLM, SamplingParams
     from paged_jax.engine.stats import StepRecord
@@ -238,7 +238,7 @@ def part_throughput(out_dir: str, quick: bool, deadline: float, attention: str =
     config = throughput_model(quick, max_len)
     requests = sharegpt_like(size["num_requests"], max_model_len=max_len, vocab_size=config.vocab_size, seed=0)
     workload = describe(requests)
-    bs = throughput.BLOCK_SIZE
+    bs = comparison.BLOCK_SIZE
     num_blocks = size["static_seqs"] * blocks_for(max_len, bs)
     result: dict = {
         "attention_impl": attention,
@@ -256,8 +256,8 @@ def part_throughput(out_dir: str, quick: bool, deadline: float, attention: str =
           flush=True)
     mean_ctx = int(workload["mean_prompt"] + workload["mean_output"] / 2)
     start = time.perf_counter()
-    result["step_time_vs_batch"] = (throughput.step_curve(config, list(size["curve_batches"]), [mean_ctx], max_len,
-                                                          attention) if size["curve_batches"] else [])
+    result["step_time_vs_batch"] = (timing.step_curve(config, list(size["curve_batches"]), [mean_ctx], max_len,
+                                                      attention) if size["curve_batches"] else [])
     result["step_curve_seconds"] = time.perf_counter() - start
     for row in result["step_time_vs_batch"]:
         print(f"  decode step, batch {row['batch']:4d}, context {row['context']}: {row['step_ms']:.2f} ms "
@@ -283,7 +283,7 @@ def part_throughput(out_dir: str, quick: bool, deadline: float, attention: str =
     result["warmup_seconds"] = time.perf_counter() - start
     start = time.perf_counter()
     try:
-        outputs = throughput.run_interleaved(engines, requests)
+        outputs = comparison.run_interleaved(engines, requests)
         result["outputs_identical"] = outputs["paged"] == outputs["static"]
         result["partial"] = False
     except OutOfTime:
@@ -317,9 +317,9 @@ def part_throughput(out_dir: str, quick: bool, deadline: float, attention: str =
           + ("no ratio" if tput_ratio is None else f"{tput_ratio:.2f}x")
           + (" [stopped early]" if result["partial"] else ""), flush=True)
     if all(t["timeline"].get("end_seconds") for t in timelines.values()):
-        throughput.plot(os.path.join(out_dir, "gpu_throughput.png"), timelines,
-                        f"{params_label(config)} {config.dtype} model, {len(requests)} ShareGPT-like "
-                        f"requests, max_model_len {max_len}, {num_blocks}-block pool, attention {attention}")
+        comparison.plot_timelines(os.path.join(out_dir, "gpu_throughput.png"), timelines,
+                                  f"{params_label(config)} {config.dtype} model, {len(requests)} ShareGPT-like "
+                                  f"requests, max_model_len {max_len}, {num_blocks}-block pool, attention {attention}")
     write(out_dir, FILES["throughput"], result)
     return result
 

@@ -63,6 +63,7 @@ import numpy as np  # noqa: E402
 
 from experiments.common import machine_info  # noqa: E402
 from paged_jax.attention import reference  # noqa: E402
+from paged_jax.config import blocks_for  # noqa: E402
 from paged_jax.kv import KVPages, quant  # noqa: E402
 from pallas_kernels import (  # noqa: E402
     default_blocks_per_step,
@@ -468,8 +469,8 @@ def contract_inputs(case: ContractCase, seed: int = 0):
     lengths = np.array([ctx, 1, 3 * bs, int(rng.integers(1, ctx + 1)), 0], np.int32)
     wanted = np.minimum([case.queries, 1, 5, max(1, case.queries // 2), 0], case.queries)
     q_lens = np.minimum(lengths, wanted).astype(np.int32)
-    width = -(-ctx // bs)
-    held = -(-lengths // bs)
+    width = blocks_for(ctx, bs)
+    held = blocks_for(lengths, bs)
     num_blocks = int(held.sum()) + 8  # a few blocks no row names
     order = rng.permutation(num_blocks).astype(np.int32)
     tables = np.full((len(lengths), width), -1, np.int32)

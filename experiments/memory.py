@@ -9,9 +9,9 @@ because bigger batches fit.
 
 Method. Each workload (``paged_jax.workloads.sharegpt_like`` and ``alpaca_like``, lengths
 scaled to ``max_model_len`` as the library does; EOS ignored, greedy, so every engine
-generates the same tokens) runs through three engines built as
-``experiments/throughput.py`` builds them (``make_engine``) and stepped in turn by its
-``run_interleaved`` (the one furthest behind first, so load on the shared machine hits
+generates the same tokens) runs through three engines built as the throughput study
+builds them (``experiments.lib.comparison.make_engine``) and stepped in turn by
+``comparison.run_interleaved`` (the one furthest behind first, so load on the shared machine hits
 all alike). One KV pool for all: ``STATIC_SEQS`` x ``max_model_len`` tokens.
 
 - ``static``: ``LLM(kv_cache="static")``: each running sequence reserves
@@ -34,7 +34,7 @@ The decode step time at each batch (from the paged engine's timeline) shows why 
 bigger batch finishes sooner: on this small model a step costs nearly the same at 8 and
 at 40 rows.
 
-Model: a small Llama-shaped decoder with random weights (``study_model``); memory is
+Model: a small Llama-shaped decoder with random weights (``models.memory_model``); memory is
 structural and the speedup comes from batching, so its size only sets the step cost.
 Timings come from a shared 2-core CPU machine: expect +-20% noise.
 
@@ -58,23 +58,16 @@ import time
 import numpy as np
 
 from experiments.common import machine_info, pyplot, write_json
-from experiments.throughput import BLOCK_SIZE, make_engine, run_interleaved
+from experiments.lib import comparison, models, sharing
+from experiments.lib.comparison import BLOCK_SIZE
+from paged_jax.config import blocks_for
 
 STATIC_SEQS = 8  # the pool: the static engine fits this many max_model_len reservations
 MAX_NUM_SEQS = 64  # the paged engine's cap in experiment (a)
 FULL = {"max_model_len": 2048, "requests": {"sharegpt_like": 128, "alpaca_like": 320}}
 QUICK = {"max_model_len": 256, "requests": {"sharegpt_like": 32, "alpaca_like": 64}}
 ENGINES = ("static", "paged", "paged_at_static_batch")
-VOCAB = 2048
 TIMELINE_POINTS = 1500  # steps per engine kept in the JSON and the plot (evenly spaced)
-
-
-def study_model(max_model_len: int):
-    """A small Llama-shaped decoder with random weights (2 layers, d=128, GQA 4:2)."""
-    from paged_jax.model import ModelConfig
-
-    return ModelConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
-                       num_kv_heads=2, head_dim=32, max_position_embeddings=max_model_len)
 
 
 def model_info(model) -> dict:
@@ -88,23 +81,16 @@ def model_info(model) -> dict:
             "kv_bytes_per_token": model.kv_bytes_per_token(), "weights": "random (seed 0)"}
 
 
-def workload(name: str, num_requests: int, max_model_len: int):
-    from paged_jax import workloads
-
-    make = {"sharegpt_like": workloads.sharegpt_like, "alpaca_like": workloads.alpaca_like}[name]
-    return make(num_requests, max_model_len=max_model_len, vocab_size=VOCAB, seed=0)
-
-
 def engines_for(model, max_model_len: int) -> dict:
     """The three engines of the module docstring over one pool (``STATIC_SEQS`` x
     ``max_model_len`` tokens)."""
-    num_blocks = STATIC_SEQS * -(-max_model_len // BLOCK_SIZE)
+    num_blocks = STATIC_SEQS * blocks_for(max_model_len, BLOCK_SIZE)
     common = dict(max_model_len=max_model_len, num_blocks=num_blocks, max_num_batched_tokens=256,
                   admission_lookahead=BLOCK_SIZE)
     return {
-        "static": make_engine("static", model, max_num_seqs=MAX_NUM_SEQS, **common),
-        "paged": make_engine("paged", model, max_num_seqs=MAX_NUM_SEQS, **common),
-        "paged_at_static_batch": make_engine("paged", model, max_num_seqs=STATIC_SEQS, **common),
+        "static": comparison.make_engine("static", model, max_num_seqs=MAX_NUM_SEQS, **common),
+        "paged": comparison.make_engine("paged", model, max_num_seqs=MAX_NUM_SEQS, **common),
+        "paged_at_static_batch": comparison.make_engine("paged", model, max_num_seqs=STATIC_SEQS, **common),
     }
 
 
@@ -176,13 +162,13 @@ def run_workload(name: str, model, max_model_len: int, num_requests: int) -> dic
     """One workload through the three engines; the per-engine summaries and the ratios."""
     from paged_jax.workloads import describe
 
-    requests = workload(name, num_requests, max_model_len)
-    engines = engines_for(model, max_model_len)
+    requests = sharing.workload(name, num_requests, max_model_len, models.VOCAB)
+    llms = engines_for(model, max_model_len)
     print(f"\n{name}: {num_requests} requests, {describe(requests)['mean_prompt']:.0f} prompt + "
           f"{describe(requests)['mean_output']:.0f} output tokens on average, max_model_len {max_model_len}")
     start = time.perf_counter()
-    outputs = run_interleaved(engines, requests)
-    summaries = {kind: memory_summary(llm) for kind, llm in engines.items()}
+    outputs = comparison.run_interleaved(llms, requests)
+    summaries = {kind: memory_summary(llm) for kind, llm in llms.items()}
     static, paged, capped = (summaries[k] for k in ENGINES)
     return {
         "workload": {"kind": name, "seed": 0, **describe(requests)},
@@ -195,7 +181,7 @@ def run_workload(name: str, model, max_model_len: int, num_requests: int) -> dic
         # The paged engine capped at the static batch vs uncapped: the batch's share of the
         # speedup, free of any per-step cost the static engine's own code adds.
         "speedup_from_batch": capped["steady_seconds"] / paged["steady_seconds"],
-        "step_ms_by_batch": step_ms_by_batch(timeline_of(engines["paged"])),
+        "step_ms_by_batch": step_ms_by_batch(timeline_of(llms["paged"])),
         "seconds": time.perf_counter() - start,
     }
 
@@ -283,9 +269,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     sizes = QUICK if args.quick else FULL
     max_model_len = sizes["max_model_len"]
-    model = study_model(max_model_len)
+    model = models.memory_model(max_model_len)
     mode = "QUICK" if args.quick else "FULL"
-    num_blocks = STATIC_SEQS * -(-max_model_len // BLOCK_SIZE)
+    num_blocks = STATIC_SEQS * blocks_for(max_model_len, BLOCK_SIZE)
     print(f"memory study (C1, C2), {mode}: pool {num_blocks} blocks x {BLOCK_SIZE} tokens = {STATIC_SEQS} x "
           f"max_model_len {max_model_len}; engines {', '.join(ENGINES)} (shared 2-core machine: timings noisy)")
     start = time.perf_counter()

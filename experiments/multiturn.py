@@ -28,8 +28,8 @@ import argparse
 
 import numpy as np
 
-from experiments import sharing
 from experiments.common import machine_info, print_headline, pyplot, write_json
+from experiments.lib import models, sharing
 
 TURNS = 5
 QUICK = (2, 3)  # conversations, turns
@@ -45,10 +45,10 @@ def run(num_conversations: int, turns: int, caching: bool, seed: int = 0) -> lis
     rng = np.random.default_rng(seed)
     users = rng.integers(64, 193, (turns, num_conversations))
     answers = rng.integers(32, 97, (turns, num_conversations))
-    system = rng.integers(0, sharing.VOCAB, 32).tolist()
+    system = rng.integers(0, models.VOCAB, 32).tolist()
     longest = 32 + int((users + answers).sum(axis=0).max())
-    max_model_len = bs * -(-longest // bs)
-    llm = LLM(sharing.memory_model(max_model_len), block_size=bs,
+    max_model_len = bs * blocks_for(longest, bs)
+    llm = LLM(models.memory_model(max_model_len), block_size=bs,
               num_gpu_blocks=num_conversations * blocks_for(max_model_len, bs) * 2, max_num_seqs=num_conversations,
               max_model_len=max_model_len, max_num_batched_tokens=2048, attention_impl="xla",
               enable_prefix_caching=caching)
@@ -57,7 +57,7 @@ def run(num_conversations: int, turns: int, caching: bool, seed: int = 0) -> lis
     for t in range(turns):
         new = 0
         for i, chat in enumerate(chats):
-            message = rng.integers(0, sharing.VOCAB, int(users[t, i])).tolist()
+            message = rng.integers(0, models.VOCAB, int(users[t, i])).tolist()
             new += len(message) + (len(system) if t == 0 else 0)
             chat.add_user(message)
         before = llm.stats()["prefill_tokens"]
@@ -70,13 +70,12 @@ def run(num_conversations: int, turns: int, caching: bool, seed: int = 0) -> lis
             history += blocks_for(len(chat.tokens) - 1, bs)  # the last answer token has no KV yet
         naive += history
         stats = llm.stats()
-        cache = llm.engine.scheduler.prefix_cache
         rows.append({
             "turn": t + 1,
             "history_tokens": sum(len(c.tokens) for c in chats),
             "new_tokens": new,
             "prefill_tokens": stats["prefill_tokens"] - before,
-            "physical_blocks": cache.num_cached if cache is not None else 0,
+            "physical_blocks": llm.inspect().prefix_cached_blocks,
             "history_blocks": history,
             "naive_copy_blocks": naive,
             "evictions": stats["prefix_cache_evictions"],

@@ -7,7 +7,7 @@ Alpaca-like and ShareGPT-like requests (``paged_jax.workloads``, EOS ignored) wi
 pool. Each request's prompt is prefilled once and forked k ways: its full blocks are
 shared, its partly filled last block copied on first write, and every completion's
 output is its own. The vLLM paper reports 6.1-9.8% saved on Alpaca-like lengths: the
-prompt is short next to k outputs. Memory as in ``experiments/sharing.py``; throughput is
+prompt is short next to k outputs. Memory as in ``experiments/lib/sharing.py``; throughput is
 output tokens per second (compile excluded), median of alternating repeats, against n = 1
 with the same number of sequences (every completion its own request, prompts prefilled k
 times).
@@ -22,8 +22,8 @@ import argparse
 
 import numpy as np
 
-from experiments import sharing
 from experiments.common import machine_info, print_headline, pyplot, write_json
+from experiments.lib import sharing
 
 NS = (2, 4, 8)
 QUICK_NS = (2, 4)

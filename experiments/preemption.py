@@ -6,7 +6,7 @@ When the pool runs dry the scheduler preempts a request group, either dropping i
 and recomputing them later (``"recompute"``: release, then a prefill of every token it
 held) or copying them to the host and back (``"swap"``: gather, fetch, host pool,
 ``restore_rows`` + write). Two measurements on a small Llama-shaped model
-(``experiments.decode_step.MODEL``: 4 layers, 4 kv heads of 32, 4 KB of fp32 KV per
+(``experiments.lib.models.DECODE_STEP_MODEL``: 4 layers, 4 kv heads of 32, 4 KB of fp32 KV per
 token):
 
 1. **Cost of one preemption + resume vs length.** One sequence holding L tokens, L from
@@ -48,8 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import decode_step
 from experiments.common import machine_info, print_headline, pyplot, write_json
+from experiments.lib import models
 from paged_jax.buckets import MIN_PREFILL_WIDTH, bucket
 from paged_jax.cache import NO_BLOCK, init_state, open_sequences, raise_for_status, release, restore_rows
 from paged_jax.compilation_cache import enable_compilation_cache
@@ -59,7 +59,6 @@ from paged_jax.kv import block_axis, read_blocks, write_blocks
 from paged_jax.model import init_params
 from paged_jax.steps import init_pages_for, make_step_fns
 
-MODEL = decode_step.MODEL
 BLOCK_SIZE = 16
 FULL = dict(lengths=(16, 32, 64, 128, 256, 512, 1024), cycles=7, num_requests=32, max_model_len=512,
             pool_fractions=(0.6, 0.35), repeats=1)
@@ -197,8 +196,8 @@ def swap_wins_from(rows: list[dict]):
 
 
 def engine_model():
-    """What the pressure runs serve: ``MODEL`` (tests swap in a fake backend)."""
-    return MODEL
+    """What the pressure runs serve: ``models.DECODE_STEP_MODEL`` (tests swap in a fake backend)."""
+    return models.DECODE_STEP_MODEL
 
 
 def pressure_runs(model, run: dict) -> tuple[dict, list[dict]]:
@@ -283,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict:
     # LLM turns JAX's persistent compilation cache on anyway; on from the start, a rerun
     # reads every program of this study back (no figure here is a compile time).
     enable_compilation_cache()
-    cfg = MODEL
+    cfg = models.DECODE_STEP_MODEL
     print(f"preemption study, {'quick' if quick else 'FULL'}: {cfg.num_params / 1e6:.1f}M-param model, "
           f"{cfg.kv_bytes_per_token()} KV bytes/token; 1. one preemption + resume vs length")
     costs = preemption_costs(cfg, run["lengths"], run["cycles"])

@@ -32,8 +32,9 @@ import time
 
 import numpy as np
 
-from experiments import sharing
 from experiments.common import machine_info, print_headline, pyplot, write_json
+from experiments.lib import models, sharing
+from paged_jax.config import blocks_for
 
 SYSTEM_LENS = (256, 1024)
 QUICK = dict(num_requests=16, system_lens=(64, 256), repeats=2)
@@ -46,8 +47,8 @@ def requests(num_requests: int, system_len: int, seed: int):
     from paged_jax import workloads
 
     rng = np.random.default_rng(seed)
-    system = rng.integers(0, sharing.VOCAB, system_len).tolist()
-    reqs = workloads.alpaca_like(num_requests, max_model_len=2048, vocab_size=sharing.VOCAB, seed=seed)
+    system = rng.integers(0, models.VOCAB, system_len).tolist()
+    reqs = workloads.alpaca_like(num_requests, max_model_len=2048, vocab_size=models.VOCAB, seed=seed)
     return [system + list(r.prompt_token_ids) for r in reqs], [r.max_tokens for r in reqs]
 
 
@@ -55,7 +56,7 @@ def make_engine(model, max_model_len: int, caching: bool):
     from paged_jax.engine import LLM
 
     bs = sharing.BLOCK_SIZE
-    return LLM(model, block_size=bs, num_gpu_blocks=MAX_NUM_SEQS * -(-max_model_len // bs), max_num_seqs=MAX_NUM_SEQS,
+    return LLM(model, block_size=bs, num_gpu_blocks=MAX_NUM_SEQS * blocks_for(max_model_len, bs), max_num_seqs=MAX_NUM_SEQS,
                max_model_len=max_model_len, max_num_batched_tokens=2048, attention_impl="xla",
                enable_prefix_caching=caching)
 
@@ -122,7 +123,7 @@ def hit_overhead(model, prompt_len: int, max_model_len: int, repeats: int) -> di
     rng = np.random.default_rng(5)
     cold, hit = [], []
     for rep in range(repeats + 1):  # run 0 compiles both shapes
-        prompt = rng.integers(0, sharing.VOCAB, prompt_len).tolist()
+        prompt = rng.integers(0, models.VOCAB, prompt_len).tolist()
         times = [_first_token_seconds(llm, prompt, one) for _ in range(2)]  # cold, then hit
         if rep:
             cold.append(times[0])
@@ -140,7 +141,7 @@ def recompute(model, num_requests: int, max_model_len: int, budget_fraction: flo
     from paged_jax.engine import LLM, SamplingParams
 
     bs = sharing.BLOCK_SIZE
-    reqs = workloads.sharegpt_like(num_requests, max_model_len=max_model_len, vocab_size=sharing.VOCAB, seed=3)
+    reqs = workloads.sharegpt_like(num_requests, max_model_len=max_model_len, vocab_size=models.VOCAB, seed=3)
     demand = sum(blocks_for(len(r.prompt_token_ids) + r.max_tokens, bs) for r in reqs)
     blocks = max(int(budget_fraction * demand), blocks_for(max_model_len, bs))
     prompts = [list(r.prompt_token_ids) for r in reqs]
@@ -188,8 +189,8 @@ def main(argv: list[str] | None = None) -> dict:
     quick = args.quick
     cfg = QUICK if quick else FULL
     num_requests, system_lens = cfg["num_requests"], cfg["system_lens"]
-    max_model_len = sharing.BLOCK_SIZE * -(-(max(system_lens) + 600) // sharing.BLOCK_SIZE)
-    model = sharing.memory_model(max_model_len)
+    max_model_len = sharing.BLOCK_SIZE * blocks_for(max(system_lens) + 600, sharing.BLOCK_SIZE)
+    model = models.memory_model(max_model_len)
     print(f"prefix study, {'quick' if quick else 'FULL'}: {num_requests} Alpaca-like requests behind one system "
           f"prompt of {system_lens} tokens")
     rows = [shared_prompt(model, num_requests, n, max_model_len) for n in system_lens]

@@ -50,6 +50,8 @@ import time
 import numpy as np
 
 from experiments.common import machine_info, pyplot, write_json
+from experiments.lib import models
+from paged_jax.config import blocks_for
 
 FORMATS = ("float32", "bfloat16", "int8", "int8_channel", "fp8_e4m3")
 QUANTIZED = ("int8", "int8_channel", "fp8_e4m3")
@@ -70,21 +72,10 @@ def shapes(quick: bool) -> dict:
                            num_heads=heads, num_kv_heads=kv, head_dim=head_dim, max_position_embeddings=4096)
 
     return {
-        "1b-shape": one_b(quick=False),
+        "1b-shape": models.one_b(quick=False),
         "llama-2-7b": llama(32, 32, 32, 4096, 11008, 32000),
         "llama-3-8b": llama(32, 32, 8, 4096, 14336, 128256),
     }
-
-
-def one_b(quick: bool):
-    """Llama-3.2-1B's shape (random weights); ``quick``: a 2-layer, 256-wide stand-in."""
-    from paged_jax.model import ModelConfig
-
-    if quick:
-        return ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
-                           num_kv_heads=2, head_dim=64, max_position_embeddings=256)
-    return ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
-                       num_kv_heads=8, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True)
 
 
 def capacity(config, fmt: str) -> dict:
@@ -152,7 +143,7 @@ def replay(config, params, fmt: str, prompts: np.ndarray, steps: int, forced: np
     from paged_jax.steps import init_pages_for
 
     b, p = prompts.shape
-    width = -(-(p + steps + 1) // BLOCK_SIZE)
+    width = blocks_for(p + steps + 1, BLOCK_SIZE)
     cache = CacheConfig(num_blocks=b * width, block_size=BLOCK_SIZE, max_seqs=b, max_blocks_per_seq=width)
     fns = _step_fns(config)
     ids = jnp.arange(b, dtype=jnp.int32)
@@ -242,7 +233,7 @@ def pooled(per_model: dict, fmt: str, key: str = "greedy_agreement") -> float | 
 def random_model_accuracy(quick: bool) -> dict:
     from paged_jax.model import init_params
 
-    config = one_b(quick)
+    config = models.one_b(quick)
     _, params = init_params(config, 0)
     prompts = np.random.default_rng(3).integers(0, config.vocab_size, (1, 32))
     # ~1.1 s per decode step on 2 CPU cores: 128 teacher-forced steps, no free run.
@@ -254,15 +245,14 @@ def random_model_accuracy(quick: bool) -> dict:
 def throughput(quick: bool) -> dict:
     import jax
 
-    from experiments.throughput import study_model
     from paged_jax import workloads
     from paged_jax.engine import LLM, SamplingParams
     from paged_jax.kv import bytes_per_block, init_pages
 
     max_model_len = 128 if quick else 1024
-    config = one_b(quick=True) if quick else study_model(max_model_len)
+    config = models.one_b(quick=True) if quick else models.llama_33m(max_model_len)
     formats = QUICK_FORMATS[1:] if quick else FORMATS
-    per_seq = -(-max_model_len // BLOCK_SIZE)
+    per_seq = blocks_for(max_model_len, BLOCK_SIZE)
     bf16 = jax.eval_shape(lambda: init_pages(config.num_layers, config.num_kv_heads, 1, BLOCK_SIZE,
                                              config.head_dim, "float32", "bfloat16"))
     budget = 8 * per_seq * bytes_per_block(bf16)

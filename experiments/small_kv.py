@@ -11,7 +11,7 @@ Four measurements:
    decode step vs the same model over a contiguous cache sized to the sequence's own
    length (the best case for contiguous: each timing round restarts at the context, so
    rows grow by at most ``reps`` tokens), and the block management alone (append_slots +
-   copy-on-write copies), with ``experiments.decode_step``'s pieces, timed in turn.
+   copy-on-write copies), with decode_step's pieces (``experiments.lib.steps``), timed in turn.
    The contiguous baseline is decode_step's; on XLA:CPU its scatter into the scanned
    cache may copy the cache, which favours paging as the model grows, so the block
    management share (pure paging bookkeeping) is reported beside the ratio.
@@ -54,8 +54,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import decode_step
 from experiments.common import machine_info, print_headline, pyplot, write_json
+from experiments.lib import models, steps
 from paged_jax.cache import (
     NO_BLOCK,
     append_slots,
@@ -74,7 +74,7 @@ ANSWER_LEN = 16
 BLOCK_SIZE = 16
 BLOCK_SIZES = (8, 16, 32, 64)
 OVERHEAD_THRESHOLD = 0.10  # paged step time over contiguous, minus 1
-MGMT_THRESHOLD = decode_step.TARGET_SHARE  # block management's share of the paged step
+MGMT_THRESHOLD = steps.MGMT_TARGET_SHARE  # block management's share of the paged step
 HEADLINE_BATCH = 32
 TINY = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                    num_kv_heads=1, head_dim=16, max_position_embeddings=2048)
@@ -83,9 +83,8 @@ KV_MODELS = (
     TINY,
     ModelConfig(vocab_size=1024, hidden_size=128, intermediate_size=352, num_layers=2, num_heads=4,
                 num_kv_heads=2, head_dim=32, max_position_embeddings=2048),
-    decode_step.MODEL,
-    ModelConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8,
-                num_kv_heads=2, head_dim=64, max_position_embeddings=2048),
+    models.DECODE_STEP_MODEL,
+    models.llama_33m(2048),
 )
 FULL = dict(batches=(1, 8, 32), kv_models=4, contexts=(10, 64, 256, 1024), reps=10, rounds=9,
             engine_requests=64, engine_lens=(32, 256), engine_repeats=2)
@@ -99,7 +98,7 @@ ENGINE_BATCH = 16  # the edge device's batch; the pool holds this many 26-token 
 
 def step_overhead(cfg: ModelConfig, batches, context: int, reps: int, rounds: int, seed: int = 0) -> list[dict]:
     """Paged vs contiguous decode step and block management at ``context`` tokens per row,
-    with ``experiments.decode_step``'s pieces (its filled state, contiguous decode and
+    with decode_step's pieces (``experiments.lib.steps``: its filled state, contiguous decode and
     block-management program). Every round starts from rows holding ``context`` tokens,
     so a row grows by at most ``reps`` tokens and the contiguous cache is sized to that
     (the best case for contiguous). The three are timed in turn within each round (noise
@@ -109,8 +108,8 @@ def step_overhead(cfg: ModelConfig, batches, context: int, reps: int, rounds: in
                      max_blocks_per_seq=per_seq)
     _, params = init_params(cfg, seed=seed)
     fns = make_step_fns(cfg, attention_impl="xla")
-    contiguous = decode_step.make_contiguous_decode(cfg)
-    mgmt = decode_step._mgmt_fn()
+    contiguous = steps.make_contiguous_decode(cfg)
+    mgmt = steps.mgmt_fn()
     rng = np.random.default_rng(seed)
     rows = []
     for b in batches:
@@ -136,7 +135,7 @@ def _step_calls(cfg, params, fns, contiguous, mgmt, cc, batch, context, rng):
     at ``context`` tokens."""
     ids = jnp.arange(batch, dtype=jnp.int32)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, batch), jnp.int32)
-    state = decode_step._filled_state(cc, "lifo", batch, context)
+    state = steps.filled_state(cc, "lifo", batch, context)
     pages = init_pages_for(cfg, cc)
     pages = pages.replace(k=pages.k + 0.1, v=pages.v + 0.1)
     kv = init_contiguous_kv(cfg, batch, cc.max_tokens_per_seq)
@@ -146,7 +145,7 @@ def _step_calls(cfg, params, fns, contiguous, mgmt, cc, batch, context, rng):
     paged, managed, dense = {}, {}, {}
 
     def reset():
-        copy = decode_step._copy
+        copy = steps.copy_tree
         paged.update(state=copy(state), pages=copy(pages))
         managed.update(state=copy(state), pages=copy(pages))
         dense.update(kv=copy(kv), lengths=lengths)

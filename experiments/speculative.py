@@ -39,7 +39,8 @@ import os
 import numpy as np
 
 from experiments.common import machine_info, print_headline, pyplot, write_json
-from experiments.throughput import study_model
+from experiments.lib import models
+from paged_jax.config import blocks_for
 
 MAX_MODEL_LEN = 512
 PHRASE, REPEATS = 12, 3
@@ -77,7 +78,7 @@ def run(model, batch: int, max_tokens: int, spec: dict | None, make_prompts=prom
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     prompt_len = max(len(p) for p in make_prompts(256, 1))
-    max_model_len = 16 * -(-(prompt_len + max_tokens + 1) // 16)
+    max_model_len = 16 * blocks_for(prompt_len + max_tokens + 1, 16)
     llm = LLM(model, num_gpu_blocks=batch * max_model_len // 16, max_num_seqs=batch, max_model_len=max_model_len,
               speculative_config=spec, dtype="float32")
     vocab = llm.backend.vocab_size
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default="out")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    config = study_model(MAX_MODEL_LEN)
+    config = models.llama_33m(MAX_MODEL_LEN)
     ngram = lambda k: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}  # noqa: E731
     plans = []  # (workload, batch, spec)
     for b in cfg["copy_batches"]:

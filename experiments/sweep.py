@@ -67,6 +67,7 @@ import time
 import numpy as np
 
 from experiments.common import machine_info, pyplot, write_json
+from experiments.lib import models
 
 WORKLOADS = ("sharegpt_like", "alpaca_like", "fixed_length")
 MODELS = ("tiny", "small")
@@ -164,12 +165,9 @@ def model_config(model, max_model_len: int):
     if isinstance(model, ModelConfig):
         return model
     if model == "tiny":
-        return ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                           num_kv_heads=2, head_dim=16, max_position_embeddings=max_model_len)
+        return models.tiny(max_model_len)
     if model == "small":
-        from experiments.throughput import study_model
-
-        return study_model(max_model_len)
+        return models.llama_33m(max_model_len)
     raise ValueError(f"model={model!r}: choose one of {MODELS} or pass a ModelConfig")
 
 

@@ -9,7 +9,7 @@ max_blocks_per_seq]``, fixed when the state is made, so nothing is ever copied. 
 the price of a shape is elsewhere, and this study measures it:
 
 1. **Recompiles.** The decode step of a small Llama-shaped model
-   (``experiments.decode_step.MODEL``) is traced and compiled for each table width
+   (``experiments.lib.models.DECODE_STEP_MODEL``) is traced and compiled for each table width
    (``max_blocks_per_seq``, i.e. ``max_model_len`` 1x, 2x, 4x, 8x), and for each decode
    batch bucket as the batch grows one row at a time (the engine's default decode buckets,
    ``paged_jax.buckets.decode_buckets``). Counted with the step's trace hook, compile seconds = first call
@@ -52,8 +52,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import decode_step
 from experiments.common import machine_info, print_headline, pyplot, write_json
+from experiments.lib import models
 from paged_jax import workloads
 from paged_jax.buckets import bucket, decode_buckets, decode_rows, multiples_of, pad_decode
 from paged_jax.cache import (
@@ -69,7 +69,6 @@ from paged_jax.kv import bytes_per_block
 from paged_jax.model import init_params
 from paged_jax.steps import init_pages_for, make_step_fns
 
-MODEL = decode_step.MODEL
 BLOCK_SIZE = 16
 FULL = dict(base_len=256, widths=(1, 2, 4, 8), rows=16, reps=20, bucket_cap=64, workload_len=2048,
             num_requests=1000)
@@ -277,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
     quick = args.quick
     cfg_run = QUICK if quick else FULL
     t_start = time.perf_counter()
-    cfg = MODEL
+    cfg = models.DECODE_STEP_MODEL
     _, params = init_params(cfg, seed=0)
     base = blocks_for(cfg_run["base_len"], BLOCK_SIZE)
     widths = [base * f for f in cfg_run["widths"]]

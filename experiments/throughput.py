@@ -52,134 +52,28 @@ import argparse
 import os
 import time
 
-import numpy as np
+from experiments.common import machine_info, write_json
+from experiments.lib import comparison, models, timing
+from experiments.lib.comparison import BLOCK_SIZE
+from paged_jax.config import blocks_for
 
-from experiments.common import machine_info, pyplot, write_json
-
-BLOCK_SIZE = 16
 STATIC_SEQS = 8  # the budget: the static engine fits this many sequences
 CURVE_BATCHES = (8, 16, 32, 64)  # batches of the decode step-time curve
 
 
-def study_model(max_model_len: int):
-    from paged_jax.model import ModelConfig
-
-    return ModelConfig(
-        vocab_size=8192,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_layers=8,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=64,
-        max_position_embeddings=max_model_len,
-    )
-
-
-def step_curve(config, batches: list[int], contexts: list[int], max_model_len: int,
-               attention_impl: str = "xla") -> list[dict]:
-    """Decode step time vs batch, every row holding ``context`` tokens. Plain decode steps
-    (``paged_jax.steps``) with the study's attention ("xla": it reads the blocks each row
-    holds, whatever the table width), without the sampler."""
-    import jax.numpy as jnp
-
-    from paged_jax.cache import append_slots, init_state, open_sequences
-    from paged_jax.config import CacheConfig
-    from paged_jax.model import init_params
-    from paged_jax.steps import init_pages_for, make_step_fns
-
-    _, params = init_params(config, 0)
-    fns = make_step_fns(config, attention_impl=attention_impl)
-    width = -(-max_model_len // BLOCK_SIZE)
-    rows = []
-    for ctx in contexts:
-        ctx = min(ctx, max_model_len - 8)
-        for b in batches:
-            cache = CacheConfig(num_blocks=b * width, block_size=BLOCK_SIZE, max_seqs=b, max_blocks_per_seq=width)
-            state, pages = init_state(cache), init_pages_for(config, cache)
-            ids = jnp.arange(b, dtype=jnp.int32)
-            state, _ = open_sequences(state, ids)
-            state, _ = append_slots(state, ids, jnp.full((b,), ctx - 1, jnp.int32), max_tokens=max_model_len)
-            tokens = jnp.zeros((b,), jnp.int32)
-            logits, state, pages, _ = fns.decode(params, state, pages, tokens, ids)  # compile
-            logits.block_until_ready()
-            times = []
-            for _ in range(5):  # rows grow by a token a call: negligible next to ctx
-                start = time.perf_counter()
-                logits, state, pages, _ = fns.decode(params, state, pages, tokens, ids)
-                logits.block_until_ready()
-                times.append(time.perf_counter() - start)
-            ms = float(np.median(times)) * 1e3
-            rows.append({"batch": b, "context": ctx, "step_ms": ms, "tokens_per_s": b / ms * 1e3})
-    return rows
-
-
-def make_engine(kind: str, config, *, max_model_len: int, num_blocks: int, max_num_seqs: int,
-                max_num_batched_tokens: int, admission_lookahead: int, attention_impl: str = "xla"):
-    from paged_jax.buckets import multiples_of
-    from paged_jax.engine import LLM
-
-    return LLM(
-        config,
-        block_size=BLOCK_SIZE,
-        num_gpu_blocks=num_blocks,
-        max_num_seqs=max_num_seqs,
-        # Decode rows in multiples of 8: on a CPU a padding row costs a real row's compute,
-        # and a throughput figure should not carry up to 2x padding of the default buckets.
-        decode_buckets=multiples_of(8, max_num_seqs),
-        max_model_len=max_model_len,
-        max_num_batched_tokens=max_num_batched_tokens,
-        admission_lookahead=admission_lookahead,
-        kv_cache=kind,
-        attention_impl=attention_impl,
-        seed=0,
-    )
-
-
-def run_interleaved(engines: dict, requests) -> dict[str, list[list[int]]]:
-    """Run the same requests through every engine, stepping them in turn.
-
-    Each step goes to the engine that is furthest behind (smallest fraction of its
-    tokens generated), so all engines progress through the workload together and meet
-    the same machine load (other processes on a shared machine come and go): a slow
-    patch slows both, instead of whichever happened to run then. Each engine's time is
-    its own steps' wall time; nothing else counts.
-    """
-    from paged_jax.engine import SamplingParams
-
-    params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
-    prompts = [list(r.prompt_token_ids) for r in requests]
-    total = sum(r.max_tokens for r in requests)
-    seqs = {name: llm.add_requests(prompts, params) for name, llm in engines.items()}
-    progress = {name: 0 for name in engines}
-    live = [name for name in engines]
-    start, shown = time.perf_counter(), 0.0
-    while live:
-        name = min(live, key=lambda n: progress[n])
-        engine = engines[name].engine
-        engine.step()
-        progress[name] = engine.stats.generated_tokens / total
-        if min(progress.values()) >= shown + 0.1:
-            shown = min(progress.values())
-            print(f"  {shown:4.0%} of the tokens generated ({time.perf_counter() - start:.0f} s)", flush=True)
-        if not engine.has_unfinished():
-            live.remove(name)
-    return {name: [o.outputs[0].token_ids for o in engines[name].outputs(seqs[name])] for name in engines}
-
-
 def run_pair(config, requests, budget: dict, attention_impl: str) -> tuple[dict, dict, float]:
     """The paged and the static engine over ``requests`` with the same ``budget``
-    (``make_engine``'s keywords): ``(stats by kind, with its step timeline; outputs by
+    (``comparison.make_engine``'s keywords): ``(stats by kind, with its step timeline; outputs by
     kind; wall seconds)``."""
     from paged_jax.engine.stats import StepRecord
 
-    engines = {kind: make_engine(kind, config, **budget, attention_impl=attention_impl)
-               for kind in ("paged", "static")}
+    llms = {kind: comparison.make_engine(kind, config, **budget, attention_impl=attention_impl)
+            for kind in ("paged", "static")}
     start = time.perf_counter()
-    outputs = run_interleaved(engines, requests)
+    outputs = comparison.run_interleaved(llms, requests)
     run_seconds = time.perf_counter() - start
-    results = {kind: llm.stats() for kind, llm in engines.items()}
-    for kind, llm in engines.items():
+    results = {kind: llm.stats() for kind, llm in llms.items()}
+    for kind, llm in llms.items():
         # Columns by name: {"end_seconds": [...], "batch": [...], ...} (engine/stats.py StepRecord).
         results[kind]["timeline"] = {name: list(col) for name, col in
                                      zip(StepRecord._fields, zip(*llm.engine.stats.timeline))}
@@ -196,31 +90,6 @@ def ratios(results: dict) -> dict:
         "paged_kv_utilization": paged["kv_utilization"],
         "static_kv_utilization": static["kv_utilization"],
     }
-
-
-def plot(path: str, results: dict, title: str) -> None:
-    """Running batch and KV utilisation over (each engine's own) time."""
-    plt = pyplot()
-
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    for kind, color in (("paged", "tab:blue"), ("static", "tab:orange")):
-        timeline = results[kind]["timeline"]
-        t, batch, held, charged = (np.asarray(timeline[name], float)
-                                   for name in ("end_seconds", "batch", "tokens_held", "charged_blocks"))
-        util = np.divide(held, charged * BLOCK_SIZE, out=np.zeros_like(held), where=charged > 0)
-        ax1.plot(t, batch, color=color, lw=0.8, label=f"{kind} (mean {results[kind]['mean_running_batch']:.1f})")
-        ax2.plot(t, util, color=color, lw=0.8, label=f"{kind} (time-avg {results[kind]['kv_utilization']:.3f})")
-    ax1.set_ylabel("running batch")
-    ax2.set_ylabel("KV utilisation\n(tokens held / slots charged)")
-    ax2.set_xlabel("engine time, s (steps' wall time, compile included)")
-    ax2.set_ylim(0, 1.02)
-    ax1.legend(loc="upper right")
-    ax2.legend(loc="lower right")
-    ax1.set_title(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
 
 
 def claims(result: dict) -> list[dict]:
@@ -260,14 +129,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="fewer requests, shorter context (< ~3 min)")
     parser.add_argument("--out", default="out", help="directory for throughput.json and throughput.png")
     parser.add_argument("--attention", default="xla", choices=("xla", "reference", "pallas", "none"),
-                        help="attention_impl of both engines; 'none' is the ablation (experiments/ablations.py)")
+                        help="attention_impl of both engines; 'none' is the ablation (experiments/lib/ablations.py)")
     parser.add_argument("--alpaca", action=argparse.BooleanOptionalAction, default=None,
                         help="also run the Alpaca-like workload (default: in the full run only)")
     parser.add_argument("--num-requests", type=int, default=None,
                         help="requests in the stream (default: 128 quick, 240 full)")
     args = parser.parse_args(argv)
     if args.attention == "none":  # a cost ablation: registered by the study, not in the production dispatch
-        from experiments import ablations
+        from experiments.lib import ablations
 
         ablations.register()
     if args.alpaca is None:
@@ -290,8 +159,8 @@ def main(argv: list[str] | None = None) -> dict:
         max_model_len, num_requests = 1024, 240
     num_requests = args.num_requests or num_requests
     max_num_seqs = 64
-    num_blocks = STATIC_SEQS * -(-max_model_len // BLOCK_SIZE)
-    config = study_model(max_model_len)
+    num_blocks = STATIC_SEQS * blocks_for(max_model_len, BLOCK_SIZE)
+    config = models.llama_33m(max_model_len)
     requests = sharegpt_like(num_requests, max_model_len=max_model_len, vocab_size=config.vocab_size, seed=0)
     workload = describe(requests)
     kv_bytes_per_token = config.kv_bytes_per_token()
@@ -318,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     # Quick: the curve's ends only (each batch size is a compiled program).
     batches = [CURVE_BATCHES[0], CURVE_BATCHES[-2]] if args.quick and len(CURVE_BATCHES) > 2 else list(CURVE_BATCHES)
-    curve = step_curve(config, batches, contexts, max_model_len, args.attention)
+    curve = timing.step_curve(config, batches, contexts, max_model_len, args.attention)
     curve_seconds = time.perf_counter() - start
     print(f"decode step vs batch (every row holding the workload's mean context, {mean_context} tokens, or twice it):")
     for row in curve:
@@ -436,7 +305,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": machine_info(),
     }
     os.makedirs(args.out, exist_ok=True)
-    plot(os.path.join(args.out, "throughput.png"), results,
+    comparison.plot_timelines(os.path.join(args.out, "throughput.png"), results,
          f"{mode.split()[0].lower()} run: {num_requests} ShareGPT-like requests, max_model_len {max_model_len}, "
          f"{num_blocks}-block pool ({config.num_params / 1e6:.0f}M-param model, CPU)")
     write_json(args.out, "throughput", result)

@@ -7,6 +7,7 @@ from engine_fakes import VOCAB as FAKE_VOCAB
 from engine_fakes import fake_backend
 
 from experiments import throughput
+from experiments.lib import models, sharing
 from paged_jax.cache import set_debug_checks
 from paged_jax.model import ModelConfig
 
@@ -25,7 +26,7 @@ def _fake(block_size: int):
 
 
 def test_throughput_study_runs_and_writes_its_json(tmp_path, monkeypatch):
-    monkeypatch.setattr(throughput, "study_model", _tiny_model)
+    monkeypatch.setattr(models, "llama_33m", _tiny_model)
     monkeypatch.setattr(throughput, "CURVE_BATCHES", (8,))
     set_debug_checks(False)  # invariants are checked by the engine tests; this is the study's wiring
     result = throughput.main(["--quick", "--alpaca", "--num-requests", "12", "--out", str(tmp_path)])
@@ -53,16 +54,16 @@ def test_throughput_study_runs_and_writes_its_json(tmp_path, monkeypatch):
 
 
 def test_beam_and_parallel_studies_run_and_write_their_json(tmp_path, monkeypatch):
-    from experiments import beam, parallel, sharing
+    from experiments import beam, parallel
 
     # The fake model (cheap to compile) and width 4 only: this is the studies' wiring.
-    monkeypatch.setattr(sharing, "memory_model", lambda max_model_len: _fake(sharing.BLOCK_SIZE))
-    monkeypatch.setattr(throughput, "study_model", lambda max_model_len: _fake(sharing.BLOCK_SIZE))
+    monkeypatch.setattr(models, "memory_model", lambda max_model_len: _fake(sharing.BLOCK_SIZE))
+    monkeypatch.setattr(models, "llama_33m", lambda max_model_len: _fake(sharing.BLOCK_SIZE))
     monkeypatch.setattr(beam, "QUICK_WIDTHS", (4,))
     monkeypatch.setattr(parallel, "QUICK_NS", (4,))
     monkeypatch.setattr(sharing, "LENGTH_CONTEXTS", {"alpaca_like": 512, "sharegpt_like": 256})
     monkeypatch.setattr(beam, "QUICK_PREFIX_FRACTIONS", (0.1, 0.5))
-    monkeypatch.setattr(sharing, "VOCAB", FAKE_VOCAB)
+    monkeypatch.setattr(models, "VOCAB", FAKE_VOCAB)
     set_debug_checks(False)
     result = beam.main(["--quick", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "beam.json").read_text())
@@ -84,10 +85,10 @@ def test_beam_and_parallel_studies_run_and_write_their_json(tmp_path, monkeypatc
 
 def test_prefix_caching_studies_run_and_write_their_json(tmp_path, monkeypatch):
     """prefix, multiturn and eviction in quick mode on the fake model."""
-    from experiments import eviction, multiturn, prefix, sharing
+    from experiments import eviction, multiturn, prefix
 
-    monkeypatch.setattr(sharing, "memory_model", lambda max_model_len: _fake(sharing.BLOCK_SIZE))
-    monkeypatch.setattr(sharing, "VOCAB", FAKE_VOCAB)
+    monkeypatch.setattr(models, "memory_model", lambda max_model_len: _fake(sharing.BLOCK_SIZE))
+    monkeypatch.setattr(models, "VOCAB", FAKE_VOCAB)
     monkeypatch.setattr(prefix, "QUICK", dict(num_requests=8, system_lens=(64,), repeats=1))
     monkeypatch.setattr(multiturn, "QUICK", (2, 3))
     monkeypatch.setattr(eviction, "QUICK_TRACE", dict(num_waves=3, per_wave=8, num_prefixes=4))
@@ -124,7 +125,7 @@ def test_speculative_study_runs_and_writes_its_json(tmp_path, monkeypatch):
     outputs must equal plain decoding's in every run)."""
     from experiments import speculative
 
-    monkeypatch.setattr(speculative, "study_model", _tiny_model)
+    monkeypatch.setattr(models, "llama_33m", _tiny_model)
     monkeypatch.setattr(speculative, "small_draft", lambda config: config.replace(num_layers=1))
     monkeypatch.setattr(speculative, "QUICK", dict(speculative.QUICK, max_tokens=12, ks_batch1=(4,)))
     set_debug_checks(False)

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import ablations
+from experiments.lib import ablations
 from paged_jax.attention import dispatch
 from paged_jax.kv import KVPages
 

@@ -8,6 +8,7 @@ import json
 import numpy as np
 from engine_fakes import fake_backend
 
+from experiments.lib import models
 from paged_jax.cache import set_debug_checks
 from paged_jax.model import ModelConfig
 
@@ -86,7 +87,7 @@ def test_table_growth_study(tmp_path, monkeypatch):
     from experiments import table_growth as study
     from paged_jax.buckets import decode_buckets
 
-    monkeypatch.setattr(study, "MODEL", TINY)
+    monkeypatch.setattr(models, "DECODE_STEP_MODEL", TINY)
     monkeypatch.setattr(study, "_no_persistent_cache", contextlib.nullcontext)  # the suite's cache: a quick test
     monkeypatch.setattr(study, "QUICK", dict(base_len=32, widths=(1, 4), rows=2, reps=2, bucket_cap=8,
                                              workload_len=256, num_requests=50))
@@ -137,7 +138,7 @@ def test_small_kv_study(tmp_path, monkeypatch):
 def test_preemption_study(tmp_path, monkeypatch):
     from experiments import preemption as study
 
-    monkeypatch.setattr(study, "MODEL", TINY)
+    monkeypatch.setattr(models, "DECODE_STEP_MODEL", TINY)
     monkeypatch.setattr(study, "QUICK", dict(lengths=(16, 64), cycles=1, num_requests=12, max_model_len=256,
                                              pool_fractions=(0.5,), repeats=1))
     monkeypatch.setattr(study, "engine_model", lambda: fake_backend(study.BLOCK_SIZE, max_position=None))

@@ -7,6 +7,7 @@ from engine_fakes import VOCAB as FAKE_VOCAB
 from engine_fakes import fake_backend
 
 from experiments import block_size, memory, worked_example
+from experiments.lib import models
 from paged_jax.cache import set_debug_checks
 from paged_jax.model import ModelConfig
 
@@ -26,8 +27,8 @@ def _check_claims(claims, ids):
 
 
 def test_memory_study_runs_and_writes_its_json(tmp_path, monkeypatch):
-    monkeypatch.setattr(memory, "study_model", lambda max_model_len: fake_backend(16, max_position=None))
-    monkeypatch.setattr(memory, "VOCAB", FAKE_VOCAB)
+    monkeypatch.setattr(models, "memory_model", lambda max_model_len: fake_backend(16, max_position=None))
+    monkeypatch.setattr(models, "VOCAB", FAKE_VOCAB)
     monkeypatch.setattr(memory, "QUICK", {"max_model_len": 64, "requests": {"sharegpt_like": 12,
                                                                           "alpaca_like": 10}})
     set_debug_checks(False)  # the engine tests check invariants; this is the study's wiring
@@ -78,9 +79,9 @@ def test_worked_example_replays_the_seed_arithmetic(tmp_path):
 
 def test_block_size_study_runs_and_writes_its_json(tmp_path, monkeypatch):
     monkeypatch.setattr(block_size, "QUICK_BLOCK_SIZES", (16,))
-    monkeypatch.setattr(block_size, "study_model", _tiny_model)
+    monkeypatch.setattr(models, "memory_model", _tiny_model)
     monkeypatch.setattr(block_size, "engine_model", lambda bs, max_model_len: fake_backend(bs, max_position=None))
-    monkeypatch.setattr(block_size, "VOCAB", FAKE_VOCAB)
+    monkeypatch.setattr(models, "VOCAB", FAKE_VOCAB)
     monkeypatch.setattr(block_size, "QUICK_ENGINE", {"max_model_len": 64, "num_requests": 6})
     monkeypatch.setattr(block_size, "STEP", {"batch": 8, "context": 40, "max_model_len": 64, "repeats": 4})
     monkeypatch.setattr(block_size, "FRAG_REQUESTS", 100)

@@ -1,5 +1,6 @@
-"""What the beam and parallel-sampling studies share: the model, the workloads, and how
-memory saved by sharing is measured.
+"""What the sharing studies (beam, parallel sampling, prefix caching, multiturn, eviction)
+share: their block size, workloads and roomy engines on ``models.memory_model``, and how
+memory saved by sharing is measured (``memory_of``). ``workload`` also serves the memory study.
 
 Memory is measured in KV blocks every engine step: *physical* = blocks allocated (a block
 several sequences share counted once) and *unshared* = the blocks the same sequences
@@ -10,19 +11,13 @@ and at their peaks. The pool is roomy (nothing is preempted), so memory follows 
 
 from __future__ import annotations
 
+from experiments.lib import models
+from paged_jax.config import blocks_for
+
 BLOCK_SIZE = 16
 # Each workload's lengths scaled to this context (2048: the vLLM paper's own Alpaca means;
 # ShareGPT at half scale keeps a CPU run short). Engines get just the room the requests need.
 LENGTH_CONTEXTS = {"alpaca_like": 2048, "sharegpt_like": 1024}
-
-
-def memory_model(max_model_len: int):
-    """A small Llama-shaped model with random weights: sharing is structural, so its size
-    does not matter to memory; its logits decide how beams diverge."""
-    from paged_jax.model import ModelConfig
-
-    return ModelConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
-                       num_kv_heads=2, head_dim=32, max_position_embeddings=max_model_len)
 
 
 def workload(name: str, num_requests: int, length_context: int, vocab_size: int, seed: int = 0):
@@ -36,36 +31,35 @@ def workload(name: str, num_requests: int, length_context: int, vocab_size: int,
 
 def study_streams(quick: bool) -> tuple[int, dict, dict]:
     """(requests per workload, each workload's length context, each workload's requests)
-    for the beam and parallel studies: 4 requests and ShareGPT at 256 with ``quick``."""
+    for the beam and parallel studies (vocabulary ``models.VOCAB``): 4 requests and ShareGPT
+    at 256 with ``quick``."""
     num_requests = 4 if quick else 16
     contexts = dict(LENGTH_CONTEXTS, sharegpt_like=256) if quick else dict(LENGTH_CONTEXTS)
-    return num_requests, contexts, {name: workload(name, num_requests, c, VOCAB) for name, c in contexts.items()}
+    return num_requests, contexts, {name: workload(name, num_requests, c, models.VOCAB)
+                                    for name, c in contexts.items()}
 
 
 def engine_len(*streams) -> int:
     """The shortest ``max_model_len`` (a whole number of blocks) that holds every request
     of every stream."""
     longest = max(len(r.prompt_token_ids) + r.max_tokens for requests in streams for r in requests)
-    return -(-longest // BLOCK_SIZE) * BLOCK_SIZE
-
-
-VOCAB = 2048
+    return blocks_for(longest, BLOCK_SIZE) * BLOCK_SIZE
 
 
 def roomy_engine(model, max_model_len: int, max_num_seqs: int, **kw):
     """An engine whose pool holds every sequence at full length (no preemption)."""
     from paged_jax.engine import LLM
 
-    blocks = max_num_seqs * -(-max_model_len // BLOCK_SIZE)
+    blocks = max_num_seqs * blocks_for(max_model_len, BLOCK_SIZE)
     return LLM(model, block_size=BLOCK_SIZE, num_gpu_blocks=blocks, max_num_seqs=max_num_seqs,
                max_model_len=max_model_len, max_num_batched_tokens=max(512, max_num_seqs), attention_impl="xla",
                **kw)
 
 
 def engines(max_model_len: int, max_num_seqs: int):
-    """A maker of roomy engines over one model with one set of shapes, so that a study
-    compiles each step shape once however many engines it runs."""
-    model = memory_model(max_model_len)
+    """A maker of roomy engines over one model (``models.memory_model``) with one set of
+    shapes, so that a study compiles each step shape once however many engines it runs."""
+    model = models.memory_model(max_model_len)
     return lambda **kw: roomy_engine(model, max_model_len, max_num_seqs, **kw)
 
 
@@ -83,12 +77,3 @@ def memory_of(llm) -> dict:
         "steps": s["steps"],
         "tokens_per_s": s["tokens_per_s_excl_compile"],
     }
-
-
-def decode_step_seconds(llm, batch: int) -> list[float]:
-    """Wall times of the engine's decode steps (``batch`` rows, nothing prefilled, nothing
-    compiled), from ``EngineStats.timeline``."""
-    rows = llm.engine.stats.timeline
-    ends = [0.0] + [r.end_seconds for r in rows]
-    return [ends[i + 1] - ends[i] for i, r in enumerate(rows)
-            if r.batch == batch and r.compile_seconds == 0 and r.prefilled == 0]

@@ -1,0 +1,16 @@
+"""What the studies share, so that no study imports another (the tools ``__main__``,
+``report`` and ``demo`` still import studies by name):
+
+- ``models``: every model a study runs (random weights, shapes only);
+- ``engines``: engines as the studies build them, stepped in turn, and what their stats say
+  about memory shared;
+- ``streams``: the request streams several studies run;
+- ``steps``: jitted pieces around a bare decode step (filled cache states, block management
+  alone, a contiguous-cache decode) for the step-cost studies;
+- ``timing``: decode step time vs batch, decode step times from an engine's timeline;
+- ``ablations``: cost ablations registered as attention impls ("none").
+
+A test swaps in a small model by patching the one module a study reads it from (e.g.
+``monkeypatch.setattr(models, "llama_33m", tiny)``): studies call ``models.llama_33m(...)``
+through the module, never a copy of the name.
+"""

@@ -2,9 +2,10 @@
 ``report`` and ``demo`` still import studies by name):
 
 - ``models``: every model a study runs (random weights, shapes only);
-- ``engines``: engines as the studies build them, stepped in turn, and what their stats say
-  about memory shared;
-- ``streams``: the request streams several studies run;
+- ``comparison``: engines compared side by side on one request stream, stepped in turn
+  (throughput, memory, block_size, gpu);
+- ``sharing``: the sharing studies' workloads, roomy engines and memory-saved measure
+  (beam, parallel, prefix, multiturn, eviction, memory);
 - ``steps``: jitted pieces around a bare decode step (filled cache states, block management
   alone, a contiguous-cache decode) for the step-cost studies;
 - ``timing``: decode step time vs batch, decode step times from an engine's timeline;

@@ -10,7 +10,7 @@ JOBS ?= 2
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,experiments,notebooks,lint]'
+	$(PY) -m pip install -q -e '.[test,experiments,notebooks,lint,serve]'
 	touch $(STAMP)
 
 demo: $(STAMP)

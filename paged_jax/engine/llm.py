@@ -261,12 +261,13 @@ class LLM:
     def step(self) -> list:
         """One step of every engine with work: the outputs (so far) of every request
         ``add_request`` queued that is still running or finished in this step; a finished
-        one is reported once."""
+        one is reported once. An engine left without work releases its last rows here
+        (those of requests that finished or were aborted), so an idle engine holds no blocks."""
         for engine in self.engines:
             if engine.has_unfinished():
                 engine.step()
-                if not engine.has_unfinished():
-                    engine.flush()
+            if not engine.has_unfinished():  # the last step's finished (or aborted) rows go back now
+                engine.flush()
         groups = list(self._streamed.values())
         outs = self.outputs(groups)
         for g in groups:
@@ -309,6 +310,15 @@ class LLM:
         """Start counting afresh (e.g. after a warm-up run); the trace counts are kept."""
         for e in self.engines:
             e.reset_stats()
+
+    def usage(self):
+        """Requests waiting/running/swapped, blocks used and prefix-cache counts, summed over
+        the replicas, read on the host without a device sync (``inspection.EngineUsage``):
+        cheap enough for a server to read after every step."""
+        total = self.engines[0].usage()
+        for e in self.engines[1:]:
+            total = total + e.usage()
+        return total
 
     def inspect(self, replica: int = 0):
         """The block manager of one replica as the device holds it now: block tables,

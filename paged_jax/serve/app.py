@@ -96,7 +96,7 @@ def build_app(llm, *, model_name: str | None = None, api_key: str | None = None,
         except Overloaded as e:
             raise P.ApiError(503, str(e), code="overloaded") from None
         except ValueError as e:
-            raise P.ApiError(400, str(e), field) from None
+            raise P.ApiError(400, str(e), P.field_of(str(e)) or field) from None
 
     def check_length(ids: list[int], max_tokens: int, field: str) -> None:
         if len(ids) >= max_model_len:
@@ -249,7 +249,7 @@ def build_app(llm, *, model_name: str | None = None, api_key: str | None = None,
                         if state == [0, 0, 0]:
                             delta = echo_text(i) + delta
                         done = c.finish_reason is not None
-                        if not (delta or done or (k is not None and new_ids)):
+                        if not (delta or done or new_ids):
                             continue
                         lp = None
                         if k is not None and c.logprobs is not None:
@@ -334,7 +334,7 @@ def build_app(llm, *, model_name: str | None = None, api_key: str | None = None,
                         new_ids = c.token_ids[state[1]:]
                         delta = c.text[state[0]:] if len(c.text) >= state[0] else ""
                         done = c.finish_reason is not None
-                        if not (delta or done or (k is not None and new_ids)):
+                        if not (delta or done or new_ids):
                             continue
                         lp = None
                         if k is not None and c.logprobs is not None:

@@ -163,10 +163,11 @@ def sampling_params(req: _Sampling, defaults: SamplingParams, *, max_tokens: int
             skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
         )
     except ValueError as e:
-        raise ApiError(400, str(e), _field_of(str(e))) from None
+        raise ApiError(400, str(e), field_of(str(e))) from None
 
 
-def _field_of(message: str) -> str | None:
+def field_of(message: str) -> str | None:
+    """The field a ``name=value: ...`` message is about (None if it names none)."""
     head = message.split("=", 1)[0].split(":", 1)[0].strip()
     return head if head.isidentifier() else None
 
@@ -225,7 +226,10 @@ def completion_logprobs(token_ids: list[int], entries: list[dict], tokenizer, k:
         tokens.append(text)
         token_logprobs.append(_lp(entry[tok].logprob))
         best = sorted(entry.items(), key=lambda kv: (kv[1].rank or 0, -kv[1].logprob))[:k] if k else []
-        top.append({_token_text(lp, tokenizer, t): _lp(lp.logprob) for t, lp in best} if k else None)
+        entries_k = {}
+        for t, lp in best:  # tokens with the same text (partial UTF-8) keep the likeliest
+            entries_k.setdefault(_token_text(lp, tokenizer, t), _lp(lp.logprob))
+        top.append(entries_k if k else None)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}

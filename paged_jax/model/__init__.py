@@ -7,6 +7,7 @@ from paged_jax.model.checkpoint import CheckpointError, load_model, load_params,
 # Configuration and the families.
 from paged_jax.model.config import ModelConfig, RopeScaling
 from paged_jax.model.gguf import GGUFFile  # registers the GGUF source (.gguf files)
+from paged_jax.model.hub import resolve_snapshot  # registers the hub-cache source (org/name ids)
 
 # The module, its cache backends and pure entry points for jax.jit.
 from paged_jax.model.llama import (
@@ -32,5 +33,5 @@ __all__ = [
     "register_source", "CheckpointError", "ContiguousKV", "LlamaForCausalLM",
     "ModelConfig", "PagedContext", "Qwen3ForCausalLM", "RopeScaling", "dense_attend", "dense_forward", "forward",
     "init_contiguous_kv", "init_params", "load_model", "load_params", "logits_from_hidden",
-    "make_contiguous_attend", "make_paged_attend", "save_params",
+    "make_contiguous_attend", "make_paged_attend", "resolve_snapshot", "save_params",
 ]

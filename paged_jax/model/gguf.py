@@ -98,6 +98,7 @@ PRE_TOKENIZER_SPLITS = {
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
 }
 TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
+DEQUANT_CHUNK = 1 << 22  # elements dequantised at once (bounds the temporaries to ~100 MB)
 
 
 class GGUFFormatError(CheckpointError):
@@ -468,8 +469,18 @@ class GGUFFile(ModelSource):
             return raw.view(np.float32).reshape(t.shape).copy()
         if kind == kind.F16:
             return raw.view(np.float16).reshape(t.shape).astype(np.float32)
-        rows = raw.reshape(-1, t.n_bytes // max(1, math.prod(t.shape[:-1])))
-        return np.asarray(quants.dequantize(rows, kind), dtype=np.float32).reshape(t.shape)
+        # Whole chunks of blocks at once (gguf.quants.dequantize works 16 rows at a time and
+        # concatenates: ~2x slower), into one preallocated float32 array.
+        traits = quants._type_traits[kind]
+        traits.init_grid()
+        block, size = traits.block_size, traits.type_size
+        blocks = raw.reshape(-1, size)
+        out = np.empty(blocks.shape[0] * block, np.float32)
+        step = max(1, DEQUANT_CHUNK // block)
+        for start in range(0, blocks.shape[0], step):
+            part = blocks[start:start + step]
+            out[start * block:(start + len(part)) * block] = traits.dequantize_blocks(part).reshape(-1)
+        return out.reshape(t.shape)
 
     def read_tensor(self, name: str) -> np.ndarray:
         """The HF-named tensor, dequantised to float32 (Q/K rows un-permuted for llama)."""

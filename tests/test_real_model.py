@@ -82,3 +82,13 @@ def test_prefix_cache_hit_on_a_shared_system_prompt(llm):
                  use_tqdm=False)
     stats = llm.stats()
     assert stats["prefix_cache_hit_tokens"] >= 48, stats
+
+
+@pytest.mark.slow
+def test_demo_lines(capsys):
+    from experiments import demo
+
+    out = demo.real_model()
+    printed = capsys.readouterr().out
+    assert "Paris" in out["chat"] and len(out["beams"]) == 4 and out["prefix_hit_tokens"] > 0
+    assert "served from the prefix cache" in printed and "loaded in" in printed

@@ -92,3 +92,13 @@ def test_demo_lines(capsys):
     printed = capsys.readouterr().out
     assert "Paris" in out["chat"] and len(out["beams"]) == 4 and out["prefix_hit_tokens"] > 0
     assert "served from the prefix cache" in printed and "loaded in" in printed
+
+
+@pytest.mark.slow
+def test_quantized_study_real_model_rows():
+    from experiments import quantized
+
+    real = quantized.real_model_accuracy(quick=True, formats=("float32", "int8"))
+    assert real["formats"]["float32"]["ppl_ratio"] == 1.0 and real["formats"]["float32"]["top1_agreement"] == 1.0
+    assert 0.9 < real["formats"]["int8"]["ppl_ratio"] < 1.1 and real["formats"]["int8"]["top1_agreement"] > 0.9
+    assert quantized.real_model_headline(real)["real_model_int8_ppl_ratio"] == real["formats"]["int8"]["ppl_ratio"]

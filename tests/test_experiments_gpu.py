@@ -1,3 +1,4 @@
+
 """The GPU readiness run (``experiments/gpu.py``) on the CPU: the smoke of every part, its
 JSON, and the pieces that keep a failing or hanging part from losing the others. The
 figures come from a GPU machine; here only the code path is checked (kernels in Pallas
@@ -6,9 +7,14 @@ interpret mode, a tiny model)."""
 import json
 import sys
 
+import pytest
+
 from experiments import gpu, kernel_bench, kernel_check
 from paged_jax.cache import set_debug_checks
 from paged_jax.model import ModelConfig
+
+# Studies and multi-process runs: minutes on 2 cores; `make test-fast` skips them.
+pytestmark = pytest.mark.slow
 
 
 def _tiny_model(quick: bool, max_model_len: int) -> ModelConfig:

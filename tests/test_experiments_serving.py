@@ -12,6 +12,10 @@ pytest.importorskip("httpx")
 
 from experiments import serving  # noqa: E402
 
+# Studies and multi-process runs: minutes on 2 cores; `make test-fast` skips them.
+pytestmark = pytest.mark.slow
+
+
 
 def test_gamma_arrivals_are_seeded_with_the_requested_rate():
     t = serving.arrival_times(4000, rate=5.0, burstiness=1.0, seed=3)

@@ -57,7 +57,9 @@ def _parse(argv):
     p.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV budget every engine gets")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per runner")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip", default="", help="comma-separated peer/dtype pairs not to run (e.g. transformers/bfloat16)")
     args = p.parse_args(argv)
+    args.skip = [x for x in args.skip.split(",") if x]
     args.dtypes = (args.dtypes or ("float32" if args.quick else "float32,bfloat16")).split(",")
     args.num_prompts = args.num_prompts or (8 if args.quick else 64)
     args.max_tokens = args.max_tokens or (16 if args.quick else 128)
@@ -214,6 +216,9 @@ def main(argv=None) -> dict:
             with open(path, "w") as f:
                 json.dump(workload, f)
             for peer in args.peers:
+                if f"{peer}/{dtype}" in args.skip:
+                    skipped[f"{peer}/{dtype}"] = "--skip"
+                    continue
                 print(f"running {peer} {dtype} ...", flush=True)
                 result = run_peer(peer, path, os.path.join(tmp, f"{peer}_{dtype}.json"), args.timeout)
                 if "skipped" in result:

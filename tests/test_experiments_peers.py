@@ -49,3 +49,14 @@ def test_summary_and_agreement_arithmetic():
 def test_unknown_peer_is_refused():
     with pytest.raises(SystemExit):
         peers.main(["--peers", "llama.cpp"])
+
+
+@pytest.mark.slow
+def test_step_profile_quick(tmp_path):
+    from experiments import step_profile
+
+    out = step_profile.main(["--quick", "--reps", "1", "--out", str(tmp_path)])
+    r = out["results"]["float32"]
+    assert r["decode"]["flops"] > r["decode"]["matmul_flops"] > 0 and r["matmul_peak"]["mlp"]["gflop_per_s"] > 0
+    assert 0 <= r["padding_waste"]["pow2_from_8"] < 1 and r["host"]["decode_steps"] > 0
+    assert (tmp_path / "step_profile.json").exists()

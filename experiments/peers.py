@@ -18,8 +18,9 @@ each other peer's at the same dtype. Per ``--dtypes`` (float32, bfloat16).
 The default checkpoint is SmolLM2-135M-Instruct dequantised to safetensors
 (``scripts/gguf_to_hf.py`` in the fixtures venv writes ``~/.cache/paged_jax/models/
 SmolLM2-135M-Instruct``). Headline: ``{fp32,bf16}_tokens_per_s_ratio_vs_{vllm,transformers}``
-(paged_jax / peer), ``greedy_identical_share_vs_{vllm,transformers}`` (fp32), and each
-engine's tokens/s. Writes DIR/peers.json.
+(paged_jax / peer; ``..._per_cpu_s_...``: per CPU second of each engine's process tree, the
+figure other jobs on a shared machine disturb least), ``greedy_identical_share_vs_{vllm,
+transformers}`` (fp32), and each engine's tokens/s. Writes DIR/peers.json.
 """
 
 from __future__ import annotations
@@ -160,6 +161,7 @@ def summarize(result: dict, max_tokens: int) -> dict:
     pct = lambda x, q: float(np.percentile(x, q) * 1e3)  # noqa: E731
     return {
         "tokens_per_s": generated / result["run_s"], "run_s": result["run_s"], "generated_tokens": generated,
+        "tokens_per_cpu_s": generated / result["cpu_s"] if result.get("cpu_s") else None, "cpu_s": result.get("cpu_s"),
         "ttft_p50_ms": pct(first, 50), "ttft_p99_ms": pct(first, 99),
         "tpot_p50_ms": pct(tpot, 50), "tpot_p99_ms": pct(tpot, 99),
         "first_call_s": result["first_call_s"], "load_s": result["load_s"],
@@ -189,6 +191,9 @@ def headline_of(table: dict, dtypes: list[str]) -> dict:
             theirs = table.get((peer, dtype))
             ok = ours is not None and theirs is not None
             head[f"{s}_tokens_per_s_ratio_vs_{peer}"] = ours["tokens_per_s"] / theirs["tokens_per_s"] if ok else None
+            cpu_ok = ok and ours.get("tokens_per_cpu_s") and theirs.get("tokens_per_cpu_s")
+            head[f"{s}_tokens_per_cpu_s_ratio_vs_{peer}"] = (
+                ours["tokens_per_cpu_s"] / theirs["tokens_per_cpu_s"] if cpu_ok else None)
         for peer in PEERS:
             row = table.get((peer, dtype))
             head[f"{peer}_{s}_tokens_per_s"] = None if row is None else row["tokens_per_s"]
@@ -241,10 +246,10 @@ def main(argv=None) -> dict:
     for peer in ("vllm", "transformers"):
         a = agreement.get(f"paged_jax_vs_{peer}/float32")
         head[f"greedy_identical_share_vs_{peer}"] = None if a is None else a["identical_share"]
-    print(f"\n{'engine':13s} {'dtype':9s} {'tok/s':>8s} {'TTFT p50/p99 ms':>17s} {'TPOT p50/p99 ms':>17s} "
+    print(f"\n{'engine':13s} {'dtype':9s} {'tok/s':>8s} {'tok/cpu-s':>9s} {'TTFT p50/p99 ms':>17s} {'TPOT p50/p99 ms':>17s} "
           f"{'first s':>8s} {'load s':>7s} {'peak GiB':>8s}")
     for r in rows:
-        print(f"{r['engine']:13s} {r['dtype']:9s} {r['tokens_per_s']:8.1f} {r['ttft_p50_ms']:8.0f}/{r['ttft_p99_ms']:<8.0f} "
+        print(f"{r['engine']:13s} {r['dtype']:9s} {r['tokens_per_s']:8.1f} {r['tokens_per_cpu_s'] or 0:9.1f} {r['ttft_p50_ms']:8.0f}/{r['ttft_p99_ms']:<8.0f} "
               f"{r['tpot_p50_ms']:8.1f}/{r['tpot_p99_ms']:<8.1f} {r['first_call_s']:8.1f} {r['load_s']:7.1f} "
               f"{r['peak_rss_gib']:8.2f}")
     for k, v in agreement.items():

@@ -4,7 +4,8 @@ A runner is ``python RUNNER.py WORKLOAD.json OUT.json``. The workload (written b
 ``experiments/peers.py``): ``{"model": dir, "dtype": name, "prompts": [[ids]], "max_tokens": N,
 "kv_cache_bytes": B}``. The runner loads the engine (``load_s``), runs the whole workload
 once untimed-but-recorded (``first_call_s``: compiles included), then again timed, and writes
-``{"name", "versions", "load_s", "first_call_s", "run_s", "first_token_s": [per prompt, from
+``{"name", "versions", "load_s", "first_call_s", "run_s", "cpu_s" (the timed pass's CPU seconds
+over the process tree), "first_token_s": [per prompt, from
 the run's start], "finish_s": [...], "tokens": [[ids]], "peak_rss_bytes"}``: the peak summed
 resident memory of the runner's process tree (vLLM's engine core is a child), sampled.
 """
@@ -60,6 +61,23 @@ def tree_rss(root: int) -> int:
     return total
 
 
+def tree_cpu_s(root: int) -> float:
+    """User + system CPU seconds of ``root`` and its live descendants (``/proc/PID/stat``):
+    an engine's work, whatever other jobs on the machine take of its wall time."""
+    kids, total, todo = _children(), 0, [root]
+    tick = os.sysconf("SC_CLK_TCK")
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+        except (OSError, IndexError, ValueError):
+            pass
+        todo.extend(kids.get(pid, []))
+    return total / tick
+
+
 class PeakRSS:
     """Samples ``tree_rss(os.getpid())`` every ``period`` s in a daemon thread; ``.peak``."""
 
@@ -91,7 +109,7 @@ def drive(add_all, step, has_unfinished, n: int) -> dict:
     _PASSES[0] += 1
     prefix = f"p{_PASSES[0]}-"
     first, finish, tokens = [None] * n, [None] * n, [None] * n
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), tree_cpu_s(os.getpid())
     add_all(prefix)
     while has_unfinished():
         for rid, ids, done in step():
@@ -101,7 +119,8 @@ def drive(add_all, step, has_unfinished, n: int) -> dict:
                 first[i] = now
             if done:
                 finish[i], tokens[i] = now, list(ids)
-    return {"run_s": time.perf_counter() - t0, "first_token_s": first, "finish_s": finish, "tokens": tokens}
+    return {"run_s": time.perf_counter() - t0, "cpu_s": tree_cpu_s(os.getpid()) - c0, "first_token_s": first,
+            "finish_s": finish, "tokens": tokens}
 
 
 def main(name: str, load, run_pass, versions: dict) -> None:

@@ -32,7 +32,7 @@ def run_pass(model, w):
     pad = model.generation_config.pad_token_id
     pad = 0 if pad is None else (pad[0] if isinstance(pad, list) else pad)
     first, finish, tokens = [None] * len(prompts), [None] * len(prompts), [None] * len(prompts)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), common.tree_cpu_s(os.getpid())
 
     class Stamp(StoppingCriteria):
         def __init__(self):
@@ -54,7 +54,8 @@ def run_pass(model, w):
         for j in range(len(batch)):
             first[start + j], finish[start + j] = stamp.times[0], stamp.times[-1]
             tokens[start + j] = out[j, width:].tolist()
-    return {"run_s": time.perf_counter() - t0, "first_token_s": first, "finish_s": finish, "tokens": tokens}
+    return {"run_s": time.perf_counter() - t0, "cpu_s": common.tree_cpu_s(os.getpid()) - c0,
+            "first_token_s": first, "finish_s": finish, "tokens": tokens}
 
 
 if __name__ == "__main__":

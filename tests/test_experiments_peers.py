@@ -59,4 +59,5 @@ def test_step_profile_quick(tmp_path):
     r = out["results"]["float32"]
     assert r["decode"]["flops"] > r["decode"]["matmul_flops"] > 0 and r["matmul_peak"]["mlp"]["gflop_per_s"] > 0
     assert 0 <= r["padding_waste"]["pow2_from_8"] < 1 and r["host"]["decode_steps"] > 0
+    assert 0 < r["host"]["host_phase_share"] < 1 and r["cpu_basis"]["share_of_matmul_peak_cpu"] > 0
     assert (tmp_path / "step_profile.json").exists()

@@ -27,7 +27,9 @@ def test_checkpoint_defaults(llm):
     assert set(llm.eos_token_ids) == {396, 397}
     defaults = llm.get_default_sampling_params()
     assert (defaults.temperature, defaults.top_p) == (0.6, 0.9)
-    assert {str(leaf.dtype) for leaf in __import__("jax").tree.leaves(llm.backend.params)} == {"bfloat16"}
+    # bf16 weights; the stacked layers' held as their uint16 bits (model.llama.pack_params)
+    assert {str(leaf.dtype) for leaf in __import__("jax").tree.leaves(llm.backend.params)} == {"bfloat16", "uint16"}
+    assert llm.config.model.architecture.dtype == "bfloat16"
 
 
 def test_text_prompts_and_text_outputs(llm):

@@ -303,3 +303,8 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
     odd = _write(tmp_path / "odd.gguf", tensors=[("rope_freqs.weight", _llama3_freqs(high=2.0), None)])
     with pytest.raises(ValueError, match="rope_freqs does not match llama3"):
         GGUFFile(odd)
+
+
+def test_dtype_override_casts_every_parameter():
+    cfg, _, params = load_model(os.path.join(GGUF, "kquant.Q4_K.gguf"), dtype=jnp.bfloat16)
+    assert cfg.dtype == "bfloat16" and {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}

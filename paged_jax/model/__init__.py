@@ -6,6 +6,8 @@ from paged_jax.model.checkpoint import CheckpointError, load_model, load_params,
 
 # Configuration and the families.
 from paged_jax.model.config import ModelConfig, RopeScaling
+from paged_jax.model.gguf import GGUFFile  # registers the GGUF source (.gguf files)
+from paged_jax.model.hub import resolve_snapshot  # registers the hub-cache source (org/name ids)
 
 # The module, its cache backends and pure entry points for jax.jit.
 from paged_jax.model.llama import (
@@ -27,9 +29,9 @@ from paged_jax.model.registry import FAMILIES, ModelFamily, register_family
 from paged_jax.model.source import HFDirectory, ModelSource, open_source, register_source
 
 __all__ = [
-    "FAMILIES", "AttendFn", "HFDirectory", "ModelFamily", "ModelSource", "open_source", "register_family",
+    "FAMILIES", "AttendFn", "GGUFFile", "HFDirectory", "ModelFamily", "ModelSource", "open_source", "register_family",
     "register_source", "CheckpointError", "ContiguousKV", "LlamaForCausalLM",
     "ModelConfig", "PagedContext", "Qwen3ForCausalLM", "RopeScaling", "dense_attend", "dense_forward", "forward",
     "init_contiguous_kv", "init_params", "load_model", "load_params", "logits_from_hidden",
-    "make_contiguous_attend", "make_paged_attend", "save_params",
+    "make_contiguous_attend", "make_paged_attend", "resolve_snapshot", "save_params",
 ]

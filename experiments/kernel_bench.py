@@ -14,6 +14,9 @@
    ``block_until_ready`` and ``time.perf_counter``) of
      ours       - pallas_kernels.paged_attention_decode (small tuning sweep, auto num_splits),
      shipped    - jax.experimental.pallas.ops.gpu.paged_attention (small sweep too),
+     mosaic     - pallas_kernels.mosaic (the Mosaic GPU kernel, Hopper only; not timed in
+                  interpret mode); where this jax has no Triton backend, "ours" and
+                  "shipped" are skipped with the reason and the rest still runs,
      xla_ref    - the oracle (gather + fp32 softmax, plain XLA),
      contiguous - the same attention on contiguous [batch, kv, ctx, D] K/V: XLA einsum
                   and JAX's Triton decode_attention kernel; the faster one counts,

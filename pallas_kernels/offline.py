@@ -7,9 +7,10 @@
 field of its backend config) and launch parameters (``num_warps``, ``num_stages``). The
 ``triton`` package (pinned in the test extra: 3.8.0 reads jaxlib 0.10's bytecode) parses
 it, runs ``make_ttir`` (inlining and canonicalisation: without it the register counts are
-inflated), and compiles it for ``GPUTarget("cuda", arch, 32)``. ``ptxas -v`` (Triton's
-own) on the PTX reports registers and spills; the shared memory is what Triton allocates
-for the launch (``metadata.shared``, dynamic shared memory).
+inflated), and compiles it for ``GPUTarget("cuda", arch, 32)``. ``cuobjdump
+--dump-resource-usage`` (Triton's own) on the cubin gives registers and the stack frame;
+a kernel with a stack frame gets ``ptxas -v`` on its PTX for the spill bytes. The shared
+memory is what Triton allocates for the launch (``metadata.shared``, dynamic).
 
 This approximates what XLA compiles on a GPU (XLA bundles its own Triton, and may differ
 in version and passes), not equal it. Results are cached per process, and Triton caches
@@ -126,6 +127,7 @@ def triton_calls(fn, *args, **kwargs) -> list[TritonCall]:
     return calls
 
 
+_USAGE = re.compile(r"REG:(?P<regs>\d+) STACK:(?P<stack>\d+)")
 _PTXAS = re.compile(
     r"(?P<stack>\d+) bytes stack frame, (?P<st>\d+) bytes spill stores, (?P<ld>\d+) bytes spill loads.*?"
     r"Used (?P<regs>\d+) registers", re.S)
@@ -158,16 +160,28 @@ def _compile(ir_bytes: bytes, name: str, num_warps: int, num_stages: int, arch: 
             f.write(str(module))
         with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
             compiled = triton.compile(ttir, target=target, options=options)
-        ptx = os.path.join(tmp, "kernel.ptx")
-        with open(ptx, "w") as f:
-            f.write(compiled.asm["ptx"])
-        log = subprocess.run([knobs.nvidia.ptxas.path, "-v", f"--gpu-name={ARCH_NAME[arch]}", ptx, "-o",
-                              os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True, check=True).stderr
-    match = _PTXAS.search(log)
-    if match is None:
-        raise RuntimeError(f"could not read ptxas -v output for {name} on {ARCH_NAME[arch]}:\n{log}")
-    return KernelResources(name, arch, int(match["regs"]), int(match["st"]), int(match["ld"]), int(match["stack"]),
-                           int(compiled.metadata.shared), num_warps, num_stages)
+        cubin = os.path.join(tmp, "kernel.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        usage = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", cubin], capture_output=True,
+                               text=True, check=True).stdout
+        found = _USAGE.search(usage)
+        if found is None:
+            raise RuntimeError(f"could not read cuobjdump's resource usage for {name} on {ARCH_NAME[arch]}:\n{usage}")
+        regs, stack = int(found["regs"]), int(found["stack"])
+        stores = loads = 0
+        if stack:  # a stack frame: ptxas -v on the PTX says how much of it is spills
+            ptx = os.path.join(tmp, "kernel.ptx")
+            with open(ptx, "w") as f:
+                f.write(compiled.asm["ptx"])
+            log = subprocess.run([knobs.nvidia.ptxas.path, "-v", f"--gpu-name={ARCH_NAME[arch]}", ptx, "-o",
+                                  os.path.join(tmp, "again.cubin")], capture_output=True, text=True, check=True).stderr
+            match = _PTXAS.search(log)
+            if match is None:
+                raise RuntimeError(f"could not read ptxas -v output for {name} on {ARCH_NAME[arch]}:\n{log}")
+            stores, loads = int(match["st"]), int(match["ld"])
+    return KernelResources(name, arch, regs, stores, loads, stack, int(compiled.metadata.shared), num_warps,
+                           num_stages)
 
 
 def compile_call(call: TritonCall, arch: int) -> KernelResources:

@@ -175,3 +175,26 @@ def test_lowers_for_sm90_without_a_gpu(name):
     text = exported.mlir_module()
     assert "mosaic_gpu" in text  # the kernel is a Mosaic GPU custom call, not Triton
     assert "__gpu$xla.gpu.triton" not in text
+
+
+def test_without_the_triton_backend_everything_else_imports():
+    """jax after the Triton backend's removal (deprecated in 0.11), simulated by blocking its
+    import: pallas_kernels imports and says why its Triton kernels are absent, "pallas"
+    reports them unavailable, the Mosaic kernel and the GPU scripts still import."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['jax.experimental.pallas.triton'] = None\n"
+        "import pallas_kernels; assert pallas_kernels.TRITON_ERROR is not None\n"
+        "assert not hasattr(pallas_kernels, 'paged_attention_decode')\n"
+        "from pallas_kernels import mosaic; assert mosaic.paged_attention\n"
+        "from paged_jax.attention import dispatch\n"
+        "why = dispatch.IMPLS['pallas'].available(); assert why and 'mosaic_gpu' in why, why\n"
+        "assert dispatch.IMPLS['mosaic_gpu'].available() is None\n"
+        "import experiments.gpu, experiments.kernel_check\n"
+        "from experiments import kernel_bench; assert kernel_bench.TRITON_MISSING\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

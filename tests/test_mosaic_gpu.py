@@ -53,6 +53,7 @@ def long_case(dtype, *, b=3, hq=8, hkv=1, bs=16, p=20, d=64, seed=0):
             jnp.asarray(lengths), jnp.asarray(np.minimum(lengths, 1).astype(np.int32)))
 
 
+@pytest.mark.slow
 @needs_interpreter
 def test_pipeline_over_many_steps_with_split_k():
     """5 steps of 64 keys through a 3-deep ring, shared by 2 splits (ragged: one split of a

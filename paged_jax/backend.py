@@ -78,12 +78,13 @@ def abstract_pages(model, *, block_size: int, kv_cache_dtype: str, draft=None):
 def _weights(spec, config, seed: int):
     """(params, name) of a model part's checkpoint (``spec.source``) or random weights."""
     from paged_jax.model import init_params, load_params
+    from paged_jax.model.llama import pack_params
 
     if spec.source is None:
         _, params = init_params(config, seed)
-        return params, f"random {config.architecture} ({config.num_params / 1e6:.1f}M params, seed {seed})"
+        return pack_params(params), f"random {config.architecture} ({config.num_params / 1e6:.1f}M params, seed {seed})"
     _, params = load_params(spec.source, config)
-    return params, f"{config.architecture} from {spec.source.name}"
+    return pack_params(params), f"{config.architecture} from {spec.source.name}"
 
 
 def build_backend(model_spec, *, block_size: int, kv_cache_dtype: str, attention_impl: str, speculative=None,

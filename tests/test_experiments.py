@@ -1,8 +1,10 @@
+
 """Smoke test of the headline study's code path (the figures themselves come from full
 runs; see the README): a tiny model through ``experiments.throughput.main``."""
 
 import json
 
+import pytest
 from engine_fakes import VOCAB as FAKE_VOCAB
 from engine_fakes import fake_backend
 
@@ -10,6 +12,9 @@ from experiments import throughput
 from experiments.lib import models, sharing
 from paged_jax.cache import set_debug_checks
 from paged_jax.model import ModelConfig
+
+# Studies and multi-process runs: minutes on 2 cores; `make test-fast` skips them.
+pytestmark = pytest.mark.slow
 
 
 def _tiny_model(max_model_len: int) -> ModelConfig:

@@ -1,12 +1,17 @@
+
 """The attention cost ablation: zeros, and nothing read."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from experiments.lib import ablations
 from paged_jax.attention import dispatch
 from paged_jax.kv import KVPages
+
+# Studies and multi-process runs: minutes on 2 cores; `make test-fast` skips them.
+pytestmark = pytest.mark.slow
 
 
 def test_no_attention_is_zeros_and_reads_no_page(monkeypatch):

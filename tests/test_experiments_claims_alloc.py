@@ -1,3 +1,4 @@
+
 """Smoke tests of the C9, C10, C11 and M5 studies (allocation_order, table_growth, small_kv,
 preemption): each runs ``main(["--quick", ...])`` with tiny sizes, and its JSON, plot and
 ``claims()`` are checked for shape and for properties that must hold whatever the timings."""
@@ -6,11 +7,15 @@ import contextlib
 import json
 
 import numpy as np
+import pytest
 from engine_fakes import fake_backend
 
 from experiments.lib import models
 from paged_jax.cache import set_debug_checks
 from paged_jax.model import ModelConfig
+
+# Studies and multi-process runs: minutes on 2 cores; `make test-fast` skips them.
+pytestmark = pytest.mark.slow
 
 TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
                    head_dim=16, max_position_embeddings=512)

@@ -1,8 +1,10 @@
+
 """Smoke tests of the memory claim studies (C1-C4, C7): each study's quick path at tiny
 sizes, on the fake model where an engine runs, its JSON, its PNG and its claims()."""
 
 import json
 
+import pytest
 from engine_fakes import VOCAB as FAKE_VOCAB
 from engine_fakes import fake_backend
 
@@ -10,6 +12,9 @@ from experiments import block_size, memory, worked_example
 from experiments.lib import models
 from paged_jax.cache import set_debug_checks
 from paged_jax.model import ModelConfig
+
+# Studies and multi-process runs: minutes on 2 cores; `make test-fast` skips them.
+pytestmark = pytest.mark.slow
 
 VERDICTS = {"reproduced", "partly reproduced", "refuted", "not applicable"}
 

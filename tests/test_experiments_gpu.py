@@ -1,3 +1,4 @@
+
 """The GPU readiness run (``experiments/gpu.py``) on the CPU: the smoke of every part, its
 JSON, and the pieces that keep a failing or hanging part from losing the others. The
 figures come from a GPU machine; here only the code path is checked (kernels in Pallas
@@ -6,9 +7,14 @@ interpret mode, a tiny model)."""
 import json
 import sys
 
-from experiments import gpu, kernel_bench
+import pytest
+
+from experiments import gpu, kernel_bench, kernel_check
 from paged_jax.cache import set_debug_checks
 from paged_jax.model import ModelConfig
+
+# Studies and multi-process runs: minutes on 2 cores; `make test-fast` skips them.
+pytestmark = pytest.mark.slow
 
 
 def _tiny_model(quick: bool, max_model_len: int) -> ModelConfig:
@@ -19,8 +25,8 @@ def _tiny_model(quick: bool, max_model_len: int) -> ModelConfig:
 def test_without_a_gpu_it_says_so_and_runs_the_smoke_of_every_part(tmp_path, monkeypatch, capsys):
     # Trimmed parts (the smoke's own sizes take ~1 min on 2 cores): one kernel case, the
     # bench without its slowest baselines, a tiny model. The wiring is what is tested.
-    cases = kernel_bench.contract_cases(quick=True)
-    monkeypatch.setattr(kernel_bench, "contract_cases", lambda quick: [cases[-1]])  # int8 pages: scales too
+    cases = kernel_check.contract_cases(quick=True)
+    monkeypatch.setattr(kernel_check, "contract_cases", lambda quick: [cases[-1]])  # int8 pages: scales too
     monkeypatch.setattr(kernel_bench, "contiguous_pallas_fn", lambda context, interpret: None)
     monkeypatch.setattr(kernel_bench, "quantized_decode", lambda env, shape: [])
     monkeypatch.setattr(gpu, "throughput_model", _tiny_model)
@@ -48,14 +54,19 @@ def test_without_a_gpu_it_says_so_and_runs_the_smoke_of_every_part(tmp_path, mon
     assert kernels["all_ok"] and not kernels["partial"] and kernels["impl"] == "pallas_interpret"
     assert [(r["kernel"], r["kv_format"]) for r in kernels["rows"]] == [("decode", "int8")]
     assert kernels["rows"][0]["err"] < 2e-2 and kernels["rows"][0]["padding_exact_zero"]
+    # The Mosaic GPU kernel: one case in Mosaic GPU interpret mode; the bench says why it is not timed.
+    assert [(r["ok"], r["backend"]) for r in kernels["mosaic"]["rows"]] == [(True, "interpret")]
+    assert head["mosaic_checks_ok"] == head["mosaic_checks_run"] == 1 and head["mosaic_backend"] == "interpret"
+    bench = json.loads((tmp_path / "kernel_bench.json").read_text())
+    assert "interpret" in bench["mosaic_gpu"] and bench["triton_kernels"] == "available"
     tput = json.loads((tmp_path / "gpu_throughput.json").read_text())
     assert not tput["partial"] and tput["outputs_identical"] and tput["attention_impl"] == "xla"
     assert tput["paged"]["generated_tokens"] == tput["static"]["generated_tokens"] > 0
 
 
 def test_a_part_past_its_budget_stops_and_says_so(tmp_path, monkeypatch):
-    cases = kernel_bench.contract_cases(quick=True)
-    result = kernel_bench.contract_checks("pallas_interpret", True, deadline=0.0)  # already past
+    cases = kernel_check.contract_cases(quick=True)
+    result = kernel_check.contract_checks("pallas_interpret", True, deadline=0.0)  # already past
     assert result["rows"] == [] and len(result["skipped"]) == len(cases) and not result["all_ok"]
     monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     out = gpu.main(["--quick", "--out", str(tmp_path), "--budget-s", "1"])  # no time for any part

@@ -9,6 +9,10 @@ import pytest
 from experiments import sweep
 from paged_jax.cache import set_debug_checks
 
+# Studies and multi-process runs: minutes on 2 cores; `make test-fast` skips them.
+pytestmark = pytest.mark.slow
+
+
 
 def test_grid_values_parse_as_python_values():
     values = ["8", "0.5", "true", "False", "None", "lifo", "1e-3", " swap "]

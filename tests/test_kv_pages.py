@@ -81,8 +81,34 @@ def test_write_tokens_scatters_and_drops_padding(mode):
 def test_write_tokens_casts_to_page_dtype():
     pages = init_pages(1, H, N, BS, D, jnp.bfloat16)
     out = write_tokens(pages, jnp.array([[3]]), jnp.ones((1, 1, H, D), jnp.float32) / 3, jnp.ones((1, 1, H, D)), layer=0)
-    assert out.k.dtype == jnp.bfloat16
-    assert float(out.k[0, 0, 0, 3, 0]) == pytest.approx(1 / 3, rel=1e-2)
+    # 16-bit float pages hold their values' uint16 bits (init_pages); .values reads them back.
+    assert (out.dtype, out.k.dtype, out.bits_of) == (jnp.bfloat16, jnp.uint16, "bfloat16")
+    assert out.values(out.k).dtype == jnp.bfloat16
+    assert float(out.values(out.k)[0, 0, 0, 3, 0]) == pytest.approx(1 / 3, rel=1e-2)
+    assert float(out.values(out.k)[0, 0, 0, 2, 0]) == 0.0
+
+
+def test_bits_pages_match_native_float_pages():
+    """Stored bits and native bf16 / f16 leaves are the same store: writes, copies, block
+    reads and poisoning agree bit for bit once read back as values."""
+    key = jax.random.PRNGKey(3)
+    for dtype in (jnp.bfloat16, jnp.float16):
+        bits = init_pages(L, H, N, BS, D, dtype)
+        native = KVPages(k=jnp.zeros((L, H, N, BS, D), dtype), v=jnp.zeros((L, H, N, BS, D), dtype))
+        k_new = jax.random.normal(key, (2, 3, H, D))
+        slots = jnp.array([[0, 1, 17], [5, -1, 9]], jnp.int32)
+        outs = []
+        for pages in (bits, native):
+            pages = write_tokens(pages, slots, k_new, -k_new, layer=1)
+            pages = copy_blocks(pages, jnp.array([0, 1], jnp.int32), jnp.array([3, 2], jnp.int32))
+            back = read_blocks(pages, jnp.array([3, 1], jnp.int32))
+            pages = write_blocks(pages, jnp.array([4, 5], jnp.int32), back)
+            pages = poison_free_blocks(pages, jnp.arange(N) == N - 1)
+            outs.append((np.asarray(pages.values(pages.k).astype(jnp.float32)),
+                         np.asarray(pages.values(pages.v).astype(jnp.float32))))
+        np.testing.assert_array_equal(outs[0][0], outs[1][0])
+        np.testing.assert_array_equal(outs[0][1], outs[1][1])
+        assert np.isnan(outs[0][0][:, :, N - 1]).all() and not np.isnan(outs[0][0][:, :, : N - 1]).any()
 
 
 def test_copy_blocks_all_layers_and_skips_padding_pairs():

@@ -86,8 +86,9 @@ def test_formats_and_bad_names():
         init_pages(L, H, N, BS, D, jnp.float32, "int4")
     # A float cache dtype overrides the model dtype and carries no scales.
     pages = init_pages(L, H, N, BS, D, jnp.float32, "bfloat16")
-    assert pages.k.dtype == jnp.bfloat16 and pages.k_scale is None and pages.kv_format == "auto"
-    assert init_pages(L, H, N, BS, D, jnp.float16, "auto").k.dtype == jnp.float16
+    assert pages.dtype == jnp.bfloat16 and pages.k_scale is None and pages.kv_format == "auto"
+    assert pages.k.dtype == jnp.uint16 and pages.bits_of == "bfloat16"  # 16-bit floats held as bits
+    assert init_pages(L, H, N, BS, D, jnp.float16, "auto").dtype == jnp.float16
 
 
 @pytest.mark.parametrize("name", PER_TOKEN)

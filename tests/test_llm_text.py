@@ -195,3 +195,22 @@ def test_abort_between_steps():
     with pytest.raises(ValueError, match="unknown request"):
         llm.abort(["nope"])
     assert np.all(llm.inspect().seq_lens == 0)
+
+
+def test_aborting_the_last_request_returns_its_blocks_at_the_next_step():
+    """A server aborts a disconnected client's request; with nothing else running, the
+    next ``step()`` releases its rows (no request needed to trigger it), and ``usage()``
+    reads the same counts as ``inspect()`` without a device sync."""
+    llm = LLM(fake_backend(4), block_size=4, num_gpu_blocks=24, max_model_len=48, max_num_seqs=4, debug_checks=True)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    rid = llm.add_request([1, 2, 3, 4, 5], params)
+    llm.step()
+    llm.step()
+    u = llm.usage()
+    assert (u.running, u.waiting, u.num_blocks) == (1, 0, 24) and u.blocks_used == llm.inspect().num_used == 2
+    llm.abort(rid)
+    assert llm.usage().running == 0 and llm.inspect().num_used == 2  # released at the next step
+    (out,) = llm.step()
+    assert out.request_id == rid and out.outputs[0].finish_reason == "abort" and out.finished
+    assert llm.usage().blocks_used == 0 and llm.step() == []
+    assert_drained(llm)

@@ -30,6 +30,10 @@ from paged_jax.parallel import KVHeadLayout, check_mesh, hlo, make_mesh
 from paged_jax.parallel.backend import resolve_mesh
 from paged_jax.parallel.sharding import param_spec, replicate_kv_heads
 
+# Studies and multi-process runs: minutes on 2 cores; `make test-fast` skips them.
+pytestmark = pytest.mark.slow
+
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT = 900
 

@@ -12,6 +12,10 @@ from paged_jax.cache import fork, init_state, open_sequences, raise_for_status
 from paged_jax.model import ModelConfig, init_params
 from paged_jax.steps import init_pages_for, make_step_fns
 
+# Studies and multi-process runs: minutes on 2 cores; `make test-fast` skips them.
+pytestmark = pytest.mark.slow
+
+
 # head_dim 64 and block_size 8 are the smallest shapes the kernels take.
 CFG = ModelConfig(
     vocab_size=96, hidden_size=128, intermediate_size=128, num_layers=1, num_heads=4,

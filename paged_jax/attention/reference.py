@@ -113,7 +113,8 @@ def gather_dequantized(pages, which: str, block_ids: jax.Array, layer=None) -> j
     scale leaf when the pages are quantised -> float32[Hkv, *block_ids.shape, bs, D].
     Scales are gathered per block like the values and broadcast: nothing pool-sized is
     ever dequantised."""
-    out = gather_blocks(getattr(pages, which), block_ids, layer).astype(jnp.float32)
+    out = gather_blocks(getattr(pages, which), block_ids, layer)
+    out = (pages.values(out) if hasattr(pages, "values") else out).astype(jnp.float32)
     scales = getattr(pages, f"{which}_scale", None)
     if scales is None:
         return out

@@ -17,7 +17,7 @@ from paged_jax.engine.beam import BeamSearchOutput, BeamSearchParams, BeamSearch
 from paged_jax.engine.config import PREEMPTION_MODES, EngineArgs, EngineConfig
 from paged_jax.engine.conversation import Conversation
 from paged_jax.engine.engine import LLMEngine
-from paged_jax.engine.inspection import CacheInspection
+from paged_jax.engine.inspection import CacheInspection, EngineUsage
 from paged_jax.engine.llm import LLM
 from paged_jax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from paged_jax.engine.router import ROUTERS, register_router
@@ -27,7 +27,7 @@ from paged_jax.engine.speculative import SpeculativeConfig, ngram_propose
 from paged_jax.engine.victim import VICTIM_POLICIES, VictimPolicy, get_victim_policy, register_victim_policy
 
 __all__ = [
-    "ADMISSION_POLICIES", "LLM", "PREEMPTION_MODES", "ROUTERS", "CacheInspection", "EngineArgs", "EngineConfig",
+    "ADMISSION_POLICIES", "LLM", "PREEMPTION_MODES", "ROUTERS", "CacheInspection", "EngineArgs", "EngineUsage", "EngineConfig",
     "LLMEngine", "WaitingInfo", "register_admission_policy", "register_router", "register_victim_policy", "VICTIM_POLICIES", "BeamSearchOutput", "BeamSearchParams",
     "BeamSearchSequence", "CompletionOutput", "Conversation", "ModelBackend",
     "Logprob", "PagedAccounting", "RequestMetrics", "RequestOutput", "SamplingParams", "SeqInfo", "Sequence", "SequenceGroup",

@@ -270,7 +270,8 @@ class EngineArgs:
         "fifo", "lowest_id_first", "random") or an ``AllocationPolicy``.
       attention_impl: a name in ``attention.dispatch.IMPLS`` or "auto".
       dtype: parameter and compute dtype, and the KV dtype unless ``kv_cache_dtype`` says:
-        "auto" (the checkpoint's; a ``ModelConfig``'s own), "float32", "bfloat16", "float16".
+        "auto" (a ``ModelConfig``'s own; for a checkpoint, what is faster here for its dtype:
+        ``dtypes.auto_compute_dtype``, logged), "float32", "bfloat16", "float16".
       kv_cache_dtype: "auto" (KV in ``dtype``), "int8" (per-token scales), "int8_channel"
         (per-block, per-channel scales), "fp8_e4m3", or a float dtype (``kv.quant``).
       seed: random weights (a ``ModelConfig``) and default per-request sampling seeds.
@@ -449,6 +450,8 @@ class EngineArgs:
             from paged_jax.model import open_source
 
             source = open_source(model, revision=self.revision)
+            if dtype is None:
+                dtype = _auto_dtype(source.model_config().dtype, str(model))
             arch = source.model_config(dtype=dtype)
             defaults = source.generation_defaults()
         if parallel.mesh is not None:
@@ -592,6 +595,19 @@ class EngineArgs:
             eviction_policy=self.eviction_policy, prefix_cache_hash=self.prefix_cache_hash, sized_by=sized_by,
         )
         return cache, max_model_len
+
+
+def _auto_dtype(checkpoint_dtype: str, model: str) -> str:
+    """``dtype="auto"`` for a checkpoint: ``dtypes.auto_compute_dtype`` on this platform,
+    said in one log line (logger "paged_jax", INFO)."""
+    import jax
+
+    from paged_jax.dtypes import auto_compute_dtype, logger
+
+    platform = jax.default_backend()
+    dtype, why = auto_compute_dtype(checkpoint_dtype, platform)
+    logger.info("dtype='auto': %s for %s (checkpoint %s, %s: %s)", dtype, model, checkpoint_dtype, platform, why)
+    return dtype
 
 
 def _as_ids(value) -> tuple[int, ...]:

@@ -465,6 +465,12 @@ class LLMEngine:
         self.runner.compile_seconds = 0.0
         self.stats = EngineStats(block_size=self.config.cache.block_size, num_blocks=self.config.cache.num_blocks)
 
+    def usage(self):
+        """Request and block counts now, host side, no device sync (``inspection.EngineUsage``)."""
+        from paged_jax.engine.inspection import usage_of
+
+        return usage_of(self)
+
     def inspect(self):
         """The block manager as the device holds it now (a ``inspection.CacheInspection``;
         a device sync: for tests, notebooks and debugging)."""

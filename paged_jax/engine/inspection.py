@@ -6,6 +6,7 @@ fields. Reading it syncs the device; nothing in the engine's own step calls it.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -76,6 +77,42 @@ class CacheInspection:
     def idle(self) -> bool:
         """No row is live and no block is held by a sequence (cached-free blocks may remain)."""
         return not self.active.any() and self.num_used == 0
+
+
+class EngineUsage(NamedTuple):
+    """Counts of one engine (or summed over replicas) now, from the host side: no device
+    sync, cheap enough to read after every step (a server's metrics).
+
+    Attributes:
+      waiting, running, swapped: unfinished requests in each state.
+      blocks_used: blocks some sequence holds (neither free nor cached-free), counting the
+        rows of sequences that finished in the last step until they are released.
+      num_blocks: blocks in the pool(s).
+      prefix_query_tokens, prefix_hit_tokens: prompt tokens looked up in the prefix cache
+        and found there (0 without prefix caching), since construction or ``reset_stats``.
+    """
+
+    waiting: int
+    running: int
+    swapped: int
+    blocks_used: int
+    num_blocks: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+
+    def __add__(self, other):  # replicas sum field by field
+        return EngineUsage(*(a + b for a, b in zip(self, other, strict=True)))
+
+
+def usage_of(engine) -> EngineUsage:
+    """The ``EngineUsage`` of an ``LLMEngine``."""
+    sched, kv = engine.scheduler, engine.kv
+    pc = None if kv.prefix_cache is None else kv.prefix_cache.counters
+    return EngineUsage(
+        waiting=len(sched.waiting), running=len(sched.running), swapped=len(sched.swapped),
+        blocks_used=kv.num_blocks - kv.num_available, num_blocks=kv.num_blocks,
+        prefix_query_tokens=pc.query_tokens if pc else 0, prefix_hit_tokens=pc.hit_tokens if pc else 0,
+    )
 
 
 def inspect_engine(engine) -> CacheInspection:

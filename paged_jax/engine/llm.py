@@ -198,19 +198,28 @@ class LLM:
             raise ValueError("continue_final_message=True continues the last message; "
                              "it cannot also add a generation prompt (set add_generation_prompt=False)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = []
-        for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
-                chat_template=chat_template, **(chat_template_kwargs or {}))
-            if continue_final_message:  # cut the template's end-of-turn after the last message
-                last = conversation[-1]["content"]
-                text = text[: text.rindex(last) + len(last)]
-            prompts.append(text)
+        prompts = [self.chat_prompt(c, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message,
+                                    chat_template_kwargs=chat_template_kwargs) for c in conversations]
         ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in prompts]
         outs = self.generate([{"prompt_token_ids": i} for i in ids], sampling_params, use_tqdm=use_tqdm)
         return [dataclasses.replace(o, prompt=t) if isinstance(o, RequestOutput) else o
                 for o, t in zip(outs, prompts, strict=True)]
+
+    def chat_prompt(self, conversation: list[dict], *, chat_template: str | None = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    chat_template_kwargs: dict | None = None) -> str:
+        """One conversation rendered as ``chat`` renders it (the text to encode without
+        special tokens); a server renders its chat requests with it."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer: this model has none (no tokenizer.json)")
+        text = self.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
+            chat_template=chat_template, **(chat_template_kwargs or {}))
+        if continue_final_message:  # cut the template's end-of-turn after the last message
+            last = conversation[-1]["content"]
+            text = text[: text.rindex(last) + len(last)]
+        return text
 
     # ------------------------------------------------------------------ requests
 
@@ -261,12 +270,13 @@ class LLM:
     def step(self) -> list:
         """One step of every engine with work: the outputs (so far) of every request
         ``add_request`` queued that is still running or finished in this step; a finished
-        one is reported once."""
+        one is reported once. An engine left without work releases its last rows here
+        (those of requests that finished or were aborted), so an idle engine holds no blocks."""
         for engine in self.engines:
             if engine.has_unfinished():
                 engine.step()
-                if not engine.has_unfinished():
-                    engine.flush()
+            if not engine.has_unfinished():  # the last step's finished (or aborted) rows go back now
+                engine.flush()
         groups = list(self._streamed.values())
         outs = self.outputs(groups)
         for g in groups:
@@ -309,6 +319,15 @@ class LLM:
         """Start counting afresh (e.g. after a warm-up run); the trace counts are kept."""
         for e in self.engines:
             e.reset_stats()
+
+    def usage(self):
+        """Requests waiting/running/swapped, blocks used and prefix-cache counts, summed over
+        the replicas, read on the host without a device sync (``inspection.EngineUsage``):
+        cheap enough for a server to read after every step."""
+        total = self.engines[0].usage()
+        for e in self.engines[1:]:
+            total = total + e.usage()
+        return total
 
     def inspect(self, replica: int = 0):
         """The block manager of one replica as the device holds it now: block tables,

@@ -1,0 +1,424 @@
+"""Serving under load (the vLLM paper's figure): latency vs request rate through the
+OpenAI-compatible server, with vLLM's benchmark semantics.
+
+    python -m experiments serving [--quick] [--out DIR] [--model DIR] [--request-rate R ...]
+                                  [--burstiness B] [--num-prompts N] [--latency-bound S]
+
+- **Workload**: a fixed set of real-text prompts (seeded slices of
+  ``tests/fixtures/llama_text/corpus.txt``, 8-120 tokens) with seeded output lengths, run
+  with ``ignore_eos`` so every request generates exactly its length (as vLLM's benchmark
+  does for synthetic sets); the same requests at every rate.
+- **Arrivals**: a seeded gamma process: inter-arrival times ~ Gamma(shape=burstiness,
+  scale=1/(rate x burstiness)) (vLLM's ``--request-rate`` / ``--burstiness``; 1 =
+  Poisson); ``inf`` sends everything at once.
+- **Client**: asyncio + httpx streaming ``/v1/completions`` (``stream_options.include_usage``),
+  one task per request, run in this process while the server runs in its own (``python -m
+  paged_jax.serve``), so they do not share an interpreter. Per request: TTFT (send to first
+  streamed chunk), ITL (gaps between chunks), TPOT ((E2E - TTFT) / (output tokens - 1)),
+  E2E, normalised latency (E2E / output tokens, the paper's y axis).
+- **Figures**: p50/p99 of each, mean normalised latency vs rate, goodput (requests/s that
+  meet TTFT <= ``--slo-ttft`` and TPOT <= ``--slo-tpot``), and the highest rate in the sweep
+  whose mean normalised latency stays under ``--latency-bound`` ("sustained").
+- **Server overhead at rate 1** (requests alone): each request's E2E through the server
+  minus the same request run alone by ``LLM.generate`` in this process (same options, warm),
+  back to back so the machine's load drifts out of each difference: the median is the
+  per-request cost of HTTP, SSE and the async engine.
+- **vLLM**: when a side venv with vLLM exists (``~/.cache/paged_jax/venvs/vllm``,
+  ``scripts/side_venv.sh``), the same client against ``vllm serve`` on the same checkpoint and
+  dtype; otherwise it is skipped and the JSON says why (``vllm.reason``).
+  ``sustained_rate_ratio_vs_vllm`` is ours / vLLM's sustained rate (null without vLLM).
+
+Headline: ``sustained_rate_ratio_vs_vllm``, ``sustained_rate``, ``server_overhead_ms_p50``,
+``ttft_p50_s_at_rate_1``, ``normalized_latency_s_at_max_rate``, ``goodput_at_max_rate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from experiments.common import machine_info, print_headline, write_json
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "llama_text")
+VLLM_VENV = os.path.expanduser("~/.cache/paged_jax/venvs/vllm")
+NAME = "served"
+
+
+# ---------------------------------------------------------------------------- workload
+
+
+def workload(model_dir: str, num_prompts: int, min_out: int, max_out: int, seed: int = 0):
+    """``num_prompts`` (prompt text, output tokens) pairs: seeded word slices of the
+    fixture corpus (real text), 8-120 tokens by the model's tokenizer."""
+    from paged_jax.text import Tokenizer
+
+    tok = Tokenizer.from_dir(model_dir)
+    with open(os.path.join(FIXTURE, "corpus.txt"), encoding="utf-8") as f:
+        words = f.read().split()
+    rng = np.random.default_rng(seed)
+    out = []
+    while len(out) < num_prompts:
+        start, length = int(rng.integers(0, len(words) - 100)), int(rng.integers(4, 80))
+        text = " ".join(words[start:start + length])
+        if tok is None or 8 <= len(tok.encode(text)) <= 120:
+            out.append((text, int(rng.integers(min_out, max_out + 1))))
+    return out
+
+
+def arrival_times(n: int, rate: float, burstiness: float, seed: int = 0) -> np.ndarray:
+    """Seconds from the start at which each of ``n`` requests is sent (vLLM's gamma
+    process; ``rate`` inf: all at 0)."""
+    if math.isinf(rate):
+        return np.zeros(n)
+    rng = np.random.default_rng(seed)
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+    gaps[0] = 0.0
+    return np.cumsum(gaps)
+
+
+# ---------------------------------------------------------------------------- client
+
+
+async def _one(client, url: str, prompt: str, max_tokens: int, delay: float, t0: float) -> dict:
+    await asyncio.sleep(max(0.0, t0 + delay - time.perf_counter()))
+    body = {"model": NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    events, tokens, error = [], 0, None
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+            else:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[5:])
+                    if chunk.get("choices"):
+                        events.append(time.perf_counter())
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+    except Exception as e:  # noqa: BLE001 - recorded as a failed request
+        error = f"{type(e).__name__}: {e}"
+    end = time.perf_counter()
+    if error is not None or not events:
+        return {"ok": False, "error": error or "no output", "sent": sent - t0}
+    ttft = events[0] - sent
+    e2e = end - sent
+    return {"ok": True, "sent": sent - t0, "ttft": ttft, "e2e": e2e, "tokens": tokens,
+            "tpot": (e2e - ttft) / (tokens - 1) if tokens > 1 else 0.0,
+            "itl": np.diff(events).tolist(), "normalized": e2e / max(tokens, 1)}
+
+
+async def _run(url: str, requests, times) -> tuple[list[dict], float]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(_one(client, url, p, m, float(d), t0)
+                                         for (p, m), d in zip(requests, times, strict=True)))
+        return list(results), time.perf_counter() - t0
+
+
+def summarise(results: list[dict], duration: float, slo_ttft: float, slo_tpot: float) -> dict:
+    ok = [r for r in results if r["ok"]]
+    if not ok:
+        return {"completed": 0, "failed": len(results), "errors": sorted({r["error"] for r in results})[:3]}
+
+    def pct(key, q):
+        return float(np.percentile([r[key] for r in ok], q))
+
+    itl = [x for r in ok for x in r["itl"]]
+    good = sum(1 for r in ok if r["ttft"] <= slo_ttft and r["tpot"] <= slo_tpot)
+    tokens = sum(r["tokens"] for r in ok)
+    return {
+        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+        "request_throughput": len(ok) / duration, "output_tokens_per_s": tokens / duration,
+        **{f"{k}_p{q}_s": pct(k, q) for k in ("ttft", "tpot", "e2e") for q in (50, 99)},
+        "itl_p50_s": float(np.percentile(itl, 50)) if itl else 0.0,
+        "itl_p99_s": float(np.percentile(itl, 99)) if itl else 0.0,
+        "normalized_latency_mean_s": float(np.mean([r["normalized"] for r in ok])),
+        "normalized_latency_p50_s": pct("normalized", 50),
+        "goodput": good / duration, "slo_attainment": good / len(results),
+    }
+
+
+# ---------------------------------------------------------------------------- servers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(proc, url: str, timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}) before it was healthy")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no healthy server at {url} within {timeout} s")
+        time.sleep(0.5)
+
+
+def _stop(proc) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def engine_options(quick: bool) -> dict:
+    """The LLM options both the server and the engine-only baseline run with."""
+    return dict(block_size=16, num_gpu_blocks=256 if quick else 1024, max_num_seqs=16 if quick else 64,
+                max_model_len=256, dtype="float32", enable_prefix_caching=False)
+
+
+def ours_command(model: str, port: int, options: dict) -> list[str]:
+    cmd = [sys.executable, "-m", "paged_jax.serve", model, "--port", str(port), "--served-model-name", NAME,
+           "--log-level", "warning", "--max-waiting", "100000"]
+    for k, v in options.items():
+        flag = "--" + k.replace("_", "-")
+        cmd += [flag if v else "--no-" + flag[2:]] if isinstance(v, bool) else [flag, str(v)]
+    return cmd
+
+
+def vllm_status() -> tuple[str | None, str]:
+    """(the vLLM venv's python, "") when vLLM imports there, else (None, why not)."""
+    python = os.path.join(VLLM_VENV, "bin", "python")
+    if not os.path.exists(python):
+        return None, f"no vLLM side venv at {VLLM_VENV} (scripts/side_venv.sh makes one)"
+    probe = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True,
+                           timeout=300)
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        return None, f"the side venv at {VLLM_VENV} has no importable vllm ({last})"
+    return python, probe.stdout.strip()
+
+
+def vllm_command(python: str, model: str, port: int, options: dict) -> list[str]:
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
+            "--served-model-name", NAME, "--dtype", options["dtype"], "--max-num-seqs", str(options["max_num_seqs"]),
+            "--max-model-len", str(options["max_model_len"]), "--block-size", str(options["block_size"])]
+
+
+def sweep(command: list[str], rates, requests, burstiness: float, slo: tuple[float, float],
+          env: dict | None = None, start_timeout: float = 600, during=None) -> dict:
+    """Start a server, warm it with four requests, run every rate; per rate the summary and
+    the raw per-request results; ``during(url)``, if given, runs after the rates (its result
+    under "during")."""
+    port = int(command[command.index("--port") + 1])
+    url = f"http://127.0.0.1:{port}"
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        try:
+            _wait_healthy(proc, url, start_timeout)
+        except (RuntimeError, TimeoutError) as e:
+            log.seek(0)
+            tail = [line for line in log.read().strip().splitlines() if line.strip()][-3:]
+            raise RuntimeError(f"{e}; its last output: {' | '.join(tail)}") from None
+        asyncio.run(_run(url, requests[:4], np.zeros(4)))  # warm-up (compiles on first use)
+        out = {}
+        for rate in rates:
+            times = arrival_times(len(requests), rate, burstiness, seed=1)
+            results, duration = asyncio.run(_run(url, requests, times))
+            out[str(rate)] = {"summary": summarise(results, duration, *slo), "results": results}
+            s = out[str(rate)]["summary"]
+            print(f"  rate {rate:>6}: {s.get('completed', 0):>3} ok, norm {s.get('normalized_latency_mean_s', 0):.4f} "
+                  f"s/tok, ttft p50 {s.get('ttft_p50_s', 0):.3f} s, tpot p50 {s.get('tpot_p50_s', 0) * 1e3:.1f} ms, "
+                  f"{s.get('output_tokens_per_s', 0):.0f} tok/s")
+        if during is not None:
+            out["during"] = during(url)
+        return out
+    finally:
+        _stop(proc)
+        log.close()
+
+
+def engine_alone(model: str, options: dict, requests):
+    """An ``LLM`` with the server's options, warm: the engine-only baseline."""
+    from paged_jax import LLM, SamplingParams
+
+    llm = LLM(model, **options)
+    llm.warmup(use_tqdm=False)
+    for text, m in requests[:2]:
+        llm.generate([text], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True), use_tqdm=False)
+    return llm
+
+
+def paired_overhead(url: str, llm, requests, repeats: int) -> dict:
+    """Each request sent alone through the server, then run alone by ``LLM.generate`` here,
+    back to back (so a shared machine's load drifts out of the difference), ``repeats``
+    times: the per-request server overhead is the median paired difference."""
+    import httpx
+
+    from paged_jax import SamplingParams
+
+    async def pairs_of():
+        pairs = []
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:  # one client: no per-request setup
+            for _ in range(repeats):
+                for text, m in requests:
+                    served = await _one(client, url, text, m, 0.0, time.perf_counter())
+                    start = time.perf_counter()
+                    llm.generate([text], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True), use_tqdm=False)
+                    alone = time.perf_counter() - start
+                    if served["ok"]:
+                        pairs.append((served["e2e"], alone))
+        return pairs
+
+    pairs = asyncio.run(pairs_of())
+    diff = [a - b for a, b in pairs]
+    return {"p50": 1e3 * float(np.median(diff)), "p90": 1e3 * float(np.percentile(diff, 90)),
+            "engine_e2e_ms_p50": 1e3 * float(np.median([b for _, b in pairs])),
+            "server_e2e_ms_p50": 1e3 * float(np.median([a for a, _ in pairs])),
+            "pairs": len(pairs), "per_request_ms": [1e3 * x for x in diff]}
+
+
+def sustained(by_rate: dict, bound: float) -> float | None:
+    """The highest rate whose mean normalised latency is under ``bound`` with no failures."""
+    ok = [float(r) for r, v in by_rate.items() if v["summary"].get("failed", 1) == 0
+          and v["summary"]["normalized_latency_mean_s"] <= bound]
+    return max(ok) if ok else None
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m experiments serving", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="8 prompts, rates 1 and 8 (a smoke run)")
+    p.add_argument("--out", default="out")
+    p.add_argument("--model", default=FIXTURE, help="checkpoint directory (default: the tiny text fixture)")
+    p.add_argument("--request-rate", type=float, nargs="+", default=None, help="requests/s to sweep (inf allowed)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson, < 1 burstier")
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--latency-bound", type=float, default=0.05, help="normalised latency bound, s per output token")
+    p.add_argument("--slo-ttft", type=float, default=0.5, help="goodput SLO on TTFT, s")
+    p.add_argument("--slo-tpot", type=float, default=0.05, help="goodput SLO on TPOT, s")
+    p.add_argument("--skip-vllm", action="store_true")
+    args = p.parse_args(argv)
+    quick = args.quick
+    rates = args.request_rate or ([1.0, 8.0] if quick else [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0])
+    if 1.0 not in rates:
+        rates = [1.0, *rates]
+    num = args.num_prompts or (8 if quick else 64)
+    requests = workload(args.model, num, 8, 16 if quick else 64)
+    options = engine_options(quick)
+    slo = (args.slo_ttft, args.slo_tpot)
+    print(f"serving: {num} prompts, outputs {min(m for _, m in requests)}-{max(m for _, m in requests)} tokens, "
+          f"burstiness {args.burstiness}, rates {rates}")
+
+    baseline = engine_alone(args.model, options, requests)
+    print("paged_jax server:")
+    ours = sweep(ours_command(args.model, _free_port(), options), rates, requests, args.burstiness, slo,
+                 during=lambda url: paired_overhead(url, baseline, requests, 1 if quick else 3))
+    overhead_ms = ours.pop("during")
+    print(f"  server overhead per request (alone, paired with LLM.generate): p50 {overhead_ms['p50']:.2f} ms, "
+          f"p90 {overhead_ms['p90']:.2f} ms (engine alone {overhead_ms['engine_e2e_ms_p50']:.1f} ms, through the "
+          f"server {overhead_ms['server_e2e_ms_p50']:.1f} ms)")
+
+    vllm_python, vllm_info = (None, "skipped (--skip-vllm)") if args.skip_vllm else vllm_status()
+    vllm = {"ran": False, "reason": vllm_info}
+    if vllm_python is not None:
+        print(f"vLLM {vllm_info} server:")
+        try:
+            vllm = {"ran": True, "version": vllm_info,
+                    "by_rate": sweep(vllm_command(vllm_python, args.model, _free_port(), options), rates, requests,
+                                     args.burstiness, slo, env={"VLLM_CPU_KVCACHE_SPACE": "4"}, start_timeout=300)}
+        except RuntimeError as e:
+            vllm = {"ran": False, "reason": f"vLLM {vllm_info} did not serve {os.path.relpath(args.model, ROOT)}: {e}"}
+    print(f"vLLM: {vllm['reason']}" if not vllm["ran"] else "vLLM: ran")
+
+    ours_sustained = sustained(ours, args.latency_bound)
+    vllm_sustained = sustained(vllm["by_rate"], args.latency_bound) if vllm["ran"] else None
+    ratio = (ours_sustained / vllm_sustained if ours_sustained is not None and vllm_sustained else None)
+    top = ours[str(max(rates))]["summary"]
+    print(f"{'rate':>6} {'norm s/tok':>10} {'ttft p50':>9} {'ttft p99':>9} {'tpot p50':>9} {'itl p99':>8} "
+          f"{'e2e p99':>8} {'goodput':>8}")
+    for rate in rates:
+        s = ours[str(rate)]["summary"]
+        if s.get("completed"):
+            print(f"{rate:>6} {s['normalized_latency_mean_s']:>10.4f} {s['ttft_p50_s']:>9.3f} {s['ttft_p99_s']:>9.3f} "
+                  f"{s['tpot_p50_s']:>9.4f} {s['itl_p99_s']:>8.4f} {s['e2e_p99_s']:>8.3f} {s['goodput']:>8.2f}")
+    headline = {
+        "sustained_rate_ratio_vs_vllm": ratio,
+        "sustained_rate_ratio_reason": None if ratio is not None else (
+            vllm["reason"] if not vllm["ran"] else "a server sustained none of the rates under the bound"),
+        "sustained_rate": ours_sustained,
+        "vllm_sustained_rate": vllm_sustained,
+        "latency_bound_s_per_token": args.latency_bound,
+        "server_overhead_ms_p50": overhead_ms["p50"],
+        "ttft_p50_s_at_rate_1": ours["1.0"]["summary"].get("ttft_p50_s"),
+        "normalized_latency_s_at_max_rate": top.get("normalized_latency_mean_s"),
+        "goodput_at_max_rate": top.get("goodput"),
+        "max_rate": max(rates),
+    }
+    print_headline(headline, 4)
+    strip = lambda by: {r: {"summary": v["summary"], "sent_s": [x["sent"] for x in v["results"]]} for r, v in by.items()}
+    result = {
+        "study": "serving",
+        "machine": machine_info(),
+        "config": {"model": os.path.relpath(args.model, ROOT), "quick": quick, "num_prompts": num, "rates": rates,
+                   "burstiness": args.burstiness, "slo_ttft_s": slo[0], "slo_tpot_s": slo[1],
+                   "engine_options": options,
+                   "output_tokens": [m for _, m in requests], "client": "asyncio + httpx streaming /v1/completions"},
+        "ours": strip(ours),
+        "vllm": {**vllm, "by_rate": strip(vllm["by_rate"])} if vllm["ran"] else vllm,
+        "server_overhead": overhead_ms,
+        "headline": headline,
+    }
+    write_json(args.out, "serving", result)
+    _plot(args.out, ours, vllm)
+    return result
+
+
+def _plot(out_dir: str, ours: dict, vllm: dict) -> None:
+    try:
+        from experiments.common import pyplot
+
+        plt = pyplot()
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for label, by in (("paged_jax", ours), ("vLLM", vllm.get("by_rate") if vllm.get("ran") else None)):
+        if by:
+            xs = [float(r) for r in by if by[r]["summary"].get("completed")]
+            ys = [by[r]["summary"]["normalized_latency_mean_s"] for r in by if by[r]["summary"].get("completed")]
+            ax.plot(xs, ys, marker="o", label=label)
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("normalised latency (s/token)")
+    ax.set_xscale("log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "serving.png"), dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

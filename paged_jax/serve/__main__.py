@@ -1,0 +1,79 @@
+"""``python -m paged_jax.serve MODEL [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+[--served-model-name NAME] [--max-waiting N] [any LLM option]``.
+
+Every ``EngineArgs`` field is an option with dashes (``--max-num-seqs 32``,
+``--enable-prefix-caching``, ``--no-share-blocks``, ``--speculative-config '{"method":
+"ngram", "num_speculative_tokens": 4}'``): ints and floats as such, booleans as flags,
+dicts and policy arguments as JSON (else the string).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+_SERVER_ONLY = ("model", "mesh")  # not options: the positional model; a Mesh has no command-line form
+
+
+def _json_or_str(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _converter(annotation: str):
+    kinds = {part.strip() for part in str(annotation).split("|")} - {"None"}
+    if kinds == {"int"}:
+        return int
+    if kinds == {"float"}:
+        return float
+    if kinds == {"str"} or kinds == {"str", "os.PathLike"}:
+        return str
+    return _json_or_str
+
+
+def parser() -> argparse.ArgumentParser:
+    from paged_jax.engine.config import EngineArgs
+
+    p = argparse.ArgumentParser(prog="python -m paged_jax.serve", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("model", help="a checkpoint directory (or anything LLM(model) opens)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
+    p.add_argument("--max-waiting", type=int, default=512, help="queued requests beyond which new ones get 503")
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--no-warmup", action="store_true", help="do not compile the decode/prefill programs up front")
+    engine = p.add_argument_group("engine (LLM / EngineArgs options)")
+    for f in dataclasses.fields(EngineArgs):
+        if f.name in _SERVER_ONLY:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if str(f.type) == "bool":
+            engine.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            engine.add_argument(flag, dest=f.name, type=_converter(f.type), default=f.default)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    from paged_jax.engine.config import EngineArgs
+    from paged_jax.engine.llm import LLM
+    from paged_jax.serve.server import serve
+
+    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+    engine_kw = {k: v for k, v in vars(args).items() if k in defaults and k != "model" and v != defaults[k]}
+    llm = LLM(args.model, **engine_kw)
+    if not args.no_warmup:
+        llm.warmup(use_tqdm=False)
+    serve(llm, args.host, args.port, log_level=args.log_level, model_name=args.served_model_name or args.model,
+          api_key=args.api_key, max_waiting=args.max_waiting)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,399 @@
+"""The OpenAI-compatible HTTP app (FastAPI): ``build_app(llm)``.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (server-sent events with
+``"stream": true``; ``stream_options.include_usage`` adds a last chunk with the usage),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), ``POST /tokenize``,
+``POST /detokenize``. Errors are OpenAI's JSON shape (``protocol.ApiError``): 400 for a
+malformed body or a bad parameter (naming the field and the limit, e.g. a prompt past
+``max_model_len``), 404 for an unknown model (as OpenAI and vLLM answer), 401 without the
+``--api-key`` (``/v1/*``, ``/tokenize``, ``/detokenize``), 503 under back-pressure or while
+draining, 500 if the engine failed.
+
+A client that disconnects aborts its requests (streaming: the response is cancelled;
+non-streaming: the handler polls the connection), and their blocks return at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+
+from paged_jax.serve import protocol as P
+from paged_jax.serve.async_engine import AsyncEngine, EngineError, Overloaded
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's for /v1/completions
+DRAIN_SECONDS = 30.0
+
+
+def build_app(llm, *, model_name: str | None = None, api_key: str | None = None, max_waiting: int = 512,
+              engine: AsyncEngine | None = None) -> FastAPI:
+    """The app serving ``llm`` as ``model_name`` (default: the model argument ``LLM`` got,
+    as vLLM names it). The engine thread starts with the app (its lifespan) and, at
+    shutdown, new requests are refused while the running ones finish (up to
+    ``DRAIN_SECONDS``). ``app.state.engine`` is the ``AsyncEngine``."""
+    engine = engine or AsyncEngine(llm, max_waiting=max_waiting)
+    name = model_name or str(getattr(llm.config.model.source, "name", None) or "paged_jax")
+    tokenizer = llm.get_tokenizer()
+    defaults = llm.get_default_sampling_params()
+    max_model_len = llm.max_model_len
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.begin_drain()
+            await asyncio.to_thread(engine.wait_idle, DRAIN_SECONDS)
+            await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="paged_jax", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.model_name = name
+
+    @app.exception_handler(P.ApiError)
+    async def _api_error(request, e: P.ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    # ------------------------------------------------------------------ helpers
+
+    def auth(request: Request) -> None:
+        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise P.ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
+
+    async def parse(request: Request, model):
+        auth(request)
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise P.ApiError(400, f"the body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise P.ApiError(400, "the body must be a JSON object")
+        try:
+            req = model.model_validate(body)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(x) for x in first["loc"])
+            raise P.ApiError(400, f"{where}: {first['msg']}", where) from None
+        if getattr(req, "model", None) not in (None, name):
+            raise P.ApiError(404, f"The model `{req.model}` does not exist (this server serves `{name}`)",
+                             "model", "model_not_found")
+        return req
+
+    def need_tokenizer(what: str) -> None:
+        if tokenizer is None:
+            raise P.ApiError(400, f"{what} needs a tokenizer: this model has none (send token ids)")
+
+    def admit(ids: list[int], params, field: str):
+        try:
+            return engine.submit(ids, params)
+        except Overloaded as e:
+            raise P.ApiError(503, str(e), code="overloaded") from None
+        except ValueError as e:
+            raise P.ApiError(400, str(e), P.field_of(str(e)) or field) from None
+
+    def check_length(ids: list[int], max_tokens: int, field: str) -> None:
+        if len(ids) >= max_model_len:
+            raise P.ApiError(400, f"the prompt has {len(ids)} tokens; it must be shorter than "
+                                  f"max_model_len={max_model_len}", field)
+        if len(ids) + max_tokens > max_model_len:
+            raise P.ApiError(400, f"max_tokens={max_tokens}: the prompt has {len(ids)} tokens and "
+                                  f"max_model_len={max_model_len}, so at most {max_model_len - len(ids)} "
+                                  "can be generated", "max_tokens")
+
+    async def wait_all(request: Request, streams) -> list:
+        """Every stream's last output; polls for a disconnect (then aborts them all)."""
+        async def last(stream):
+            last_out = None
+            async for out in stream:
+                last_out = out
+            return last_out
+
+        task = asyncio.gather(*(last(s) for s in streams))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    task.cancel()
+                    raise P.ApiError(499, "client disconnected")
+        except EngineError as e:
+            raise P.ApiError(500, str(e)) from None
+        finally:
+            for s in streams:
+                s.abort()
+
+    async def merged(streams):
+        """(index of the stream, output) as any stream advances."""
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
+            return
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, s):
+            try:
+                async for out in s:
+                    q.put_nowait((i, out))
+                q.put_nowait((i, None))
+            except Exception as e:  # noqa: BLE001 - re-raised by the consumer
+                q.put_nowait((i, e))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            left = len(tasks)
+            while left:
+                i, item = await q.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            for s in streams:
+                s.abort()
+
+    def sse(obj) -> str:
+        return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+    # ------------------------------------------------------------------ completions
+
+    def completion_prompts(prompt) -> list[tuple[list[int], str | None]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise P.ApiError(400, "prompt is empty", "prompt")
+        if isinstance(prompt[0], int):
+            prompt = [prompt]
+        out = []
+        for p in prompt:
+            if isinstance(p, str):
+                need_tokenizer("a text prompt")
+                out.append((tokenizer.encode(p), p))
+            else:
+                out.append((list(p), None))
+        return out
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await parse(request, P.CompletionRequest)
+        P.unsupported(req)
+        k = P.num_logprobs(req)
+        if k is not None:
+            need_tokenizer("logprobs")
+        prompts = completion_prompts(req.prompt)
+        max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+        plan = []
+        for ids, text in prompts:
+            check_length(ids, max_tokens, "prompt")
+            plan.append((ids, text, P.sampling_params(req, defaults, max_tokens=max_tokens, logprobs=k)))
+        streams = []
+        try:
+            for ids, _, params in plan:
+                streams.append(admit(ids, params, "prompt"))
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        rid, created, n = P.new_id("cmpl"), P.now(), req.n
+
+        def echo_text(i):
+            if not req.echo:
+                return ""
+            ids, text = plan[i][0], plan[i][1]
+            return text if text is not None else (tokenizer.decode(ids) if tokenizer else "")
+
+        def chunk(choices, usage=None):
+            out = {"id": rid, "object": "text_completion", "created": created, "model": name, "choices": choices}
+            if req.stream_options is not None and req.stream_options.include_usage:
+                out["usage"] = usage
+            return out
+
+        if not req.stream:
+            finals = await wait_all(request, streams)
+            choices, completion_tokens = [], 0
+            for i, out in enumerate(finals):
+                for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
+                    lp = (P.completion_logprobs(c.token_ids, c.logprobs, tokenizer, k)
+                          if k is not None and c.logprobs is not None else None)
+                    choices.append({"index": i * n + c.index, "text": echo_text(i) + c.text, "logprobs": lp,
+                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            prompt_tokens = sum(len(p[0]) for p in plan)
+            return {"id": rid, "object": "text_completion", "created": created, "model": name,
+                    "choices": choices, "usage": P.usage(prompt_tokens, completion_tokens)}
+
+        async def events():
+            sent: dict[int, list[int]] = {}  # choice index -> [chars sent, tokens sent, finished]
+            completion_tokens = 0
+            try:
+                async for i, out in merged(streams):
+                    choices = []
+                    for c in out.outputs:
+                        idx = i * n + c.index
+                        state = sent.setdefault(idx, [0, 0, 0])
+                        if state[2]:
+                            continue
+                        new_ids = c.token_ids[state[1]:]
+                        delta = c.text[state[0]:] if len(c.text) >= state[0] else ""
+                        if state == [0, 0, 0]:
+                            delta = echo_text(i) + delta
+                        done = c.finish_reason is not None
+                        if not (delta or done or new_ids):
+                            continue
+                        lp = None
+                        if k is not None and c.logprobs is not None:
+                            lp = P.completion_logprobs(new_ids, c.logprobs[state[1]:state[1] + len(new_ids)],
+                                                       tokenizer, k, offset=state[0])
+                        choices.append({"index": idx, "text": delta, "logprobs": lp,
+                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                        state[0], state[1], state[2] = max(len(c.text), state[0]), len(c.token_ids), int(done)
+                        if done:
+                            completion_tokens += len(c.token_ids)
+                    if choices:
+                        yield sse(chunk(choices))
+                if req.stream_options is not None and req.stream_options.include_usage:
+                    yield sse(chunk([], P.usage(sum(len(p[0]) for p in plan), completion_tokens)))
+            except EngineError as e:
+                yield sse(P.ApiError(500, str(e)).body())
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    # ------------------------------------------------------------------ chat
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = await parse(request, P.ChatRequest)
+        P.unsupported(req)
+        need_tokenizer("chat")
+        k = P.num_logprobs(req)
+        if not req.messages:
+            raise P.ApiError(400, "messages is empty", "messages")
+        messages = P.chat_messages(req.messages)
+        try:
+            text = llm.chat_prompt(messages, chat_template=req.chat_template,
+                                   add_generation_prompt=req.add_generation_prompt,
+                                   continue_final_message=req.continue_final_message,
+                                   chat_template_kwargs=req.chat_template_kwargs)
+        except Exception as e:  # noqa: BLE001 - the template raised (an unknown role, ...)
+            raise P.ApiError(400, f"the chat template failed on these messages: {e}", "messages") from None
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        if given is not None and given < 1:
+            raise P.ApiError(400, f"{field}={given}: must be an int >= 1", field)
+        check_length(ids, 1, "messages")
+        max_tokens = given if given is not None else max_model_len - len(ids)
+        check_length(ids, max_tokens, "messages")
+        params = P.sampling_params(req, defaults, max_tokens=max_tokens, logprobs=k)
+        stream = admit(ids, params, "messages")
+        rid, created, n = P.new_id("chatcmpl"), P.now(), req.n
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+
+        if not req.stream:
+            (out,) = await wait_all(request, [stream])
+            choices = []
+            for c in out.outputs:
+                lp = (P.chat_logprobs(c.token_ids, c.logprobs, tokenizer, k)
+                      if k is not None and c.logprobs is not None else None)
+                choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                                "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            return {"id": rid, "object": "chat.completion", "created": created, "model": name, "choices": choices,
+                    "usage": P.usage(len(ids), sum(len(c.token_ids) for c in out.outputs))}
+
+        def chunk(choices, usage=None):
+            out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
+                   "choices": choices}
+            if include_usage:
+                out["usage"] = usage
+            return out
+
+        async def events():
+            yield sse(chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for j in range(n)]))
+            sent = [[0, 0, 0] for _ in range(n)]
+            completion_tokens = 0
+            try:
+                async for _, out in merged([stream]):
+                    choices = []
+                    for c in out.outputs:
+                        state = sent[c.index]
+                        if state[2]:
+                            continue
+                        new_ids = c.token_ids[state[1]:]
+                        delta = c.text[state[0]:] if len(c.text) >= state[0] else ""
+                        done = c.finish_reason is not None
+                        if not (delta or done or new_ids):
+                            continue
+                        lp = None
+                        if k is not None and c.logprobs is not None:
+                            lp = P.chat_logprobs(new_ids, c.logprobs[state[1]:state[1] + len(new_ids)], tokenizer, k)
+                        choices.append({"index": c.index, "delta": {"content": delta} if delta else {},
+                                        "logprobs": lp, "finish_reason": c.finish_reason,
+                                        "stop_reason": c.stop_reason})
+                        state[0], state[1], state[2] = max(len(c.text), state[0]), len(c.token_ids), int(done)
+                        if done:
+                            completion_tokens += len(c.token_ids)
+                    if choices:
+                        yield sse(chunk(choices))
+                if include_usage:
+                    yield sse(chunk([], P.usage(len(ids), completion_tokens)))
+            except EngineError as e:
+                yield sse(P.ApiError(500, str(e)).body())
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    # ------------------------------------------------------------------ the rest
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        auth(request)
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": P.now(),
+                                            "owned_by": "paged_jax", "max_model_len": max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return JSONResponse(P.ApiError(503, "the engine thread is not running").body(), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = await parse(request, P.TokenizeRequest)
+        need_tokenizer("tokenize")
+        if (req.prompt is None) == (req.messages is None):
+            raise P.ApiError(400, "give exactly one of prompt and messages", "prompt")
+        if req.messages is not None:
+            text = llm.chat_prompt(P.chat_messages(req.messages), add_generation_prompt=req.add_generation_prompt)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = await parse(request, P.DetokenizeRequest)
+        need_tokenizer("detokenize")
+        vocab = llm.config.model.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise P.ApiError(400, f"tokens outside [0, {vocab}): {bad[:5]}", "tokens")
+        return {"prompt": tokenizer.decode(req.tokens)}
+
+    return app

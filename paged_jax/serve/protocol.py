@@ -1,0 +1,254 @@
+"""The OpenAI wire format: request bodies (pydantic), their sampling parameters, the
+error shape, and the JSON of completions, chat completions and their stream chunks.
+
+Fields follow OpenAI's API plus vLLM's extras (``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``include_stop_str_in_output``, ``skip_special_tokens``). Unknown fields are ignored, as
+vLLM ignores them; fields we cannot honour (``logit_bias``, ``suffix``, ``best_of`` > n,
+tools, a non-text ``response_format``, ``echo`` with ``logprobs``) are a 400 naming them.
+Log-probabilities that are -inf are reported as -9999.0 (JSON has no infinity; vLLM's choice).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from paged_jax.engine.sampling import SamplingParams
+
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (vLLM's default max_logprobs)
+_NEG_INF = -9999.0
+
+
+class ApiError(Exception):
+    """An error response: ``status`` and OpenAI's ``{"error": {message, type, param, code}}``."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             500: "internal_server_error", 503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
+                          "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[dict[str, Any]]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---------------------------------------------------------------------------- requests -> engine
+
+
+def unsupported(req: _Sampling) -> None:
+    """400 for fields we cannot honour (module docstring)."""
+    if req.logit_bias:
+        raise ApiError(400, "logit_bias is not supported", "logit_bias")
+    if isinstance(req, CompletionRequest):
+        if req.suffix:
+            raise ApiError(400, "suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise ApiError(400, f"best_of={req.best_of}: only best_of == n ({req.n}) is supported", "best_of")
+        if req.echo and req.logprobs is not None:
+            raise ApiError(400, "echo with logprobs (prompt logprobs) is not supported", "echo")
+    if isinstance(req, ChatRequest):
+        if req.tools:
+            raise ApiError(400, "tools are not supported", "tools")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise ApiError(400, f"response_format={req.response_format!r}: only type 'text' is supported",
+                           "response_format")
+        if req.continue_final_message and req.add_generation_prompt:
+            raise ApiError(400, "continue_final_message=true needs add_generation_prompt=false",
+                           "continue_final_message")
+
+
+def num_logprobs(req: _Sampling) -> int | None:
+    """The k of ``SamplingParams.logprobs`` the request asks for (None: none)."""
+    if isinstance(req, ChatRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        k, field = (req.top_logprobs or 0, "top_logprobs") if req.logprobs else (None, "top_logprobs")
+    else:
+        k, field = req.logprobs, "logprobs"
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise ApiError(400, f"{field}={k}: must be in [0, {MAX_LOGPROBS}]", field)
+    return k
+
+
+def sampling_params(req: _Sampling, defaults: SamplingParams, *, max_tokens: int,
+                    logprobs: int | None) -> SamplingParams:
+    """The request's ``SamplingParams``: its fields over the checkpoint's defaults (vLLM's
+    rule). A field ``SamplingParams`` refuses is a 400 naming it and the limit."""
+    if req.n < 1:
+        raise ApiError(400, f"n={req.n}: must be an int >= 1", "n")
+    kw = {name: getattr(req, name) if getattr(req, name) is not None else getattr(defaults, name)
+          for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    try:
+        return SamplingParams(
+            **kw, max_tokens=max_tokens, n=req.n, seed=req.seed, stop=tuple(stop),
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
+            stop_token_ids=tuple(req.stop_token_ids or ()), include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
+        )
+    except ValueError as e:
+        raise ApiError(400, str(e), field_of(str(e))) from None
+
+
+def field_of(message: str) -> str | None:
+    """The field a ``name=value: ...`` message is about (None if it names none)."""
+    head = message.split("=", 1)[0].split(":", 1)[0].strip()
+    return head if head.isidentifier() else None
+
+
+def chat_messages(messages: list[dict]) -> list[dict]:
+    """Messages as a chat template reads them: content parts (``[{"type": "text", ...}]``)
+    joined into one string; 400 for a malformed message."""
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}] has no 'role' string", f"messages[{i}].role")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise ApiError(400, f"messages[{i}]: only text content parts are supported",
+                                   f"messages[{i}].content")
+                parts.append(str(part.get("text", "")))
+            content = "".join(parts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
+                           f"messages[{i}].content")
+        out.append({**m, "content": content})
+    return out
+
+
+# ---------------------------------------------------------------------------- engine -> responses
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def _lp(x: float) -> float:
+    return x if x > _NEG_INF else _NEG_INF
+
+
+def _token_text(entry, tokenizer, token: int) -> str:
+    return entry.decoded_token if entry.decoded_token is not None else tokenizer.decode([token],
+                                                                                     skip_special_tokens=False)
+
+
+def completion_logprobs(token_ids: list[int], entries: list[dict], tokenizer, k: int, offset: int = 0) -> dict:
+    """The completions API's ``logprobs`` object for these tokens and their engine entries
+    (``{id: Logprob}`` per token); ``offset``: the text offset of the first token."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for tok, entry in zip(token_ids, entries, strict=True):
+        text = _token_text(entry[tok], tokenizer, tok)
+        tokens.append(text)
+        token_logprobs.append(_lp(entry[tok].logprob))
+        best = sorted(entry.items(), key=lambda kv: (kv[1].rank or 0, -kv[1].logprob))[:k] if k else []
+        entries_k = {}
+        for t, lp in best:  # tokens with the same text (partial UTF-8) keep the likeliest
+            entries_k.setdefault(_token_text(lp, tokenizer, t), _lp(lp.logprob))
+        top.append(entries_k if k else None)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict], tokenizer, k: int) -> dict:
+    """The chat API's ``logprobs`` object (``{"content": [...]}``)."""
+    content = []
+    for tok, entry in zip(token_ids, entries, strict=True):
+        text = _token_text(entry[tok], tokenizer, tok)
+        best = sorted(entry.items(), key=lambda kv: (kv[1].rank or 0, -kv[1].logprob))[:k]
+        content.append({
+            "token": text, "logprob": _lp(entry[tok].logprob), "bytes": list(text.encode()),
+            "top_logprobs": [{"token": (s := _token_text(lp, tokenizer, t)), "logprob": _lp(lp.logprob),
+                              "bytes": list(s.encode())} for t, lp in best],
+        })
+    return {"content": content}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

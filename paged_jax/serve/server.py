@@ -1,0 +1,82 @@
+"""Running the app: ``serve(llm, host, port)`` (blocking; what the CLI runs) and
+``start_in_thread(llm)`` (a server on 127.0.0.1 in a background thread, for tests,
+notebooks and studies), both on uvicorn.
+
+SIGTERM (and Ctrl-C) drain: uvicorn stops accepting connections, the engine refuses new
+requests (503), in-flight requests finish (up to ``app.DRAIN_SECONDS``), then the engine
+thread stops.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+from paged_jax.serve.app import build_app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the engine to drain when a signal asks it to exit."""
+
+    def __init__(self, config, engine):
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig, frame):
+        self.engine.begin_drain()
+        super().handle_exit(sig, frame)
+
+
+def serve(llm, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info", **app_kw) -> None:
+    """Serve ``llm`` until SIGTERM/SIGINT (``build_app``'s keywords pass through)."""
+    app = build_app(llm, **app_kw)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=60)
+    _Server(config, app.state.engine).run()
+
+
+class RunningServer:
+    """A server in a background thread: ``url`` (``http://127.0.0.1:PORT``), ``app``,
+    ``engine``; ``stop()`` drains and joins it (also as a context manager)."""
+
+    def __init__(self, server: _Server, thread: threading.Thread, port: int, app):
+        self._server, self._thread, self.port, self.app = server, thread, port, app
+        self.url = f"http://127.0.0.1:{port}"
+        self.engine = app.state.engine
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.engine.begin_drain()
+        self._server.should_exit = True
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the server thread did not stop within {timeout} s")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def start_in_thread(llm, *, timeout: float = 30.0, log_level: str = "warning", **app_kw) -> RunningServer:
+    """Start a server for ``llm`` on 127.0.0.1 at a free port (the socket is bound here, so
+    no other process can take the port in between); returns once it accepts connections
+    (TimeoutError after ``timeout`` seconds)."""
+    app = build_app(llm, **app_kw)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=30)
+    server = _Server(config, app.state.engine)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="paged_jax-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise TimeoutError(f"the server did not start within {timeout} s")
+        time.sleep(0.02)
+    return RunningServer(server, thread, port, app)

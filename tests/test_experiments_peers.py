@@ -1,0 +1,63 @@
+"""The peer study with the side venvs absent: the peers are skipped and say so; the
+workload, summaries and agreement are checked on their own (no engine runs here)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from experiments import peers
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "llama_text")
+
+
+def test_absent_side_venvs_are_skipped_with_the_reason(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGED_JAX_SIDE_VENVS", str(tmp_path / "no_venvs"))
+    out = peers.main(["--quick", "--model", FIXTURE, "--peers", "vllm,transformers", "--num-prompts", "3",
+                      "--out", str(tmp_path)])
+    assert set(out["skipped"]) == {"vllm/float32", "transformers/float32"}
+    assert all("side venv" in why and "scripts/side_venv.sh" in why for why in out["skipped"].values())
+    assert out["rows"] == [] and out["headline"]["fp32_tokens_per_s_ratio_vs_vllm"] is None
+    assert out["headline"]["greedy_identical_share_vs_vllm"] is None
+    assert (tmp_path / "peers.json").exists()
+    assert out["workload"]["num_prompts"] == 3 and out["workload"]["max_len"] <= 470
+
+
+def test_prompts_are_real_text_with_bounded_lengths():
+    from paged_jax.text import Tokenizer
+
+    tok = Tokenizer.from_dir(FIXTURE)
+    prompts, info = peers.make_prompts(tok, 16, seed=0)
+    again, _ = peers.make_prompts(tok, 16, seed=0)
+    assert prompts == again  # deterministic
+    assert all(16 <= len(p) <= 470 for p in prompts) and len(prompts) == 16
+    assert "license" in tok.decode(sum(prompts, [])).lower() or info["total_prompt_tokens"] > 0
+
+
+def test_summary_and_agreement_arithmetic():
+    result = {"first_token_s": [1.0, 2.0], "finish_s": [4.0, 5.0], "tokens": [[1, 2, 3, 4], [5, 6, 7, 8]],
+              "run_s": 8.0, "first_call_s": 9.0, "load_s": 1.0, "peak_rss_bytes": 2**30}
+    s = peers.summarize(result, max_tokens=4)
+    assert s["tokens_per_s"] == 1.0 and s["tpot_p50_ms"] == pytest.approx(1000.0)
+    assert s["ttft_p50_ms"] == pytest.approx(1500.0) and s["peak_rss_gib"] == 1.0
+    a = peers.identical_share([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 0, 6]])
+    assert (a["identical"], a["of"], a["identical_share"]) == (1, 2, 0.5)
+    assert a["mean_common_prefix_share"] == pytest.approx((1 + 1 / 3) / 2)
+
+
+def test_unknown_peer_is_refused():
+    with pytest.raises(SystemExit):
+        peers.main(["--peers", "llama.cpp"])
+
+
+@pytest.mark.slow
+def test_step_profile_quick(tmp_path):
+    from experiments import step_profile
+
+    out = step_profile.main(["--quick", "--reps", "1", "--out", str(tmp_path)])
+    r = out["results"]["float32"]
+    assert r["decode"]["flops"] > r["decode"]["matmul_flops"] > 0 and r["matmul_peak"]["mlp"]["gflop_per_s"] > 0
+    assert 0 <= r["padding_waste"]["pow2_from_8"] < 1 and r["host"]["decode_steps"] > 0
+    assert 0 < r["host"]["host_phase_share"] < 1 and r["cpu_basis"]["share_of_matmul_peak_cpu"] > 0
+    assert (tmp_path / "step_profile.json").exists()

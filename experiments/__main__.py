@@ -25,6 +25,7 @@ Mechanisms and everything else:
   serving       the OpenAI server under gamma arrivals: TTFT/TPOT/ITL/E2E, latency vs rate, vs vLLM
   scaling       tensor/data parallelism on simulated devices: KV per device, max batch, collectives
   kernel_bench  Pallas paged attention on a GPU (interpret-mode smoke with --quick on CPU)
+  kernel_resources  registers/spills/shared memory of every Triton kernel on sm_80/sm_90a, compiled offline
   gpu           everything worth measuring on a GPU, in one run (a smoke with --quick on CPU)
 
 Beside other engines (side venvs, a real checkpoint; not in `all` nor the report):
@@ -52,7 +53,7 @@ CPU_STUDIES = [
     "allocator", "decode_step", "compile_time", "first_call", "parallel", "prefix", "eviction", "quantized",
     "speculative", "scaling", "serving",
 ]
-GPU_STUDIES = ["kernel_bench", "gpu"]
+GPU_STUDIES = ["kernel_bench", "gpu", "kernel_resources"]  # the last needs triton, not a GPU
 TOOLS = ["sweep", "report", "demo", "all"]
 STUDIES = CPU_STUDIES + GPU_STUDIES
 PEER_STUDIES = ["peers", "step_profile"]  # run alone: they need side venvs or minutes of a real model

@@ -138,6 +138,12 @@ def pallas_backends() -> dict:
             out["pallas_kernels_compiler_params"] = f"{decode.plgpu.__name__}.CompilerParams"
         except Exception as e:
             out["pallas_kernels_compiler_params"] = f"unavailable: {type(e).__name__}: {str(e)[:200]}"
+        try:
+            from paged_jax.attention import mosaic
+
+            out["mosaic_gpu_kernel"] = mosaic.missing() or "available"
+        except Exception as e:
+            out["mosaic_gpu_kernel"] = f"unavailable: {type(e).__name__}: {str(e)[:200]}"
     flag = getattr(jax.config, "jax_pallas_use_mosaic_gpu", None)
     out["default_without_compiler_params"] = (
         None if flag is None else ("mosaic_gpu" if getattr(flag, "value", flag) else "triton"))
@@ -171,6 +177,17 @@ def part_kernels(out_dir: str, quick: bool, deadline: float, **_) -> dict:
         errs = [r["err"] for r in rows if r["dtype"] == dtype and r["kv_format"] == "auto" and r.get("err") is not None]
         return max(errs) if errs else None
 
+    # The Mosaic GPU kernel through "mosaic_gpu" (Hopper; off the GPU in interpret mode, one case).
+    from paged_jax.attention import mosaic
+
+    missing = mosaic.missing()
+    if missing is None:
+        print("kernels: the Mosaic GPU kernel (impl 'mosaic_gpu')" + ("" if on_gpu() else ", interpret mode, one case"),
+              flush=True)
+        result["mosaic"] = kernel_check.contract_checks("mosaic_gpu", quick, deadline,
+                                                        limit=None if on_gpu() else 1)
+    else:
+        result["mosaic"] = {"rows": [], "skipped_reason": missing}
     result.update(
         impl=impl,
         partial=False,
@@ -391,6 +408,7 @@ def choose_attention(kernels: dict) -> str:
 def headline(env: dict, parts: dict, wall: float) -> dict:
     kernels, bench, tput = (parts.get(n) or {} for n in PARTS)
     rows = kernels.get("rows") or []
+    mosaic_rows = (kernels.get("mosaic") or {}).get("rows") or []
     backends = sorted({r["backend"] for r in rows if "backend" in r})
     bench_head = bench.get("headline") or {}
     bench_rows = bench.get("rows") or []
@@ -403,6 +421,10 @@ def headline(env: dict, parts: dict, wall: float) -> dict:
         "kernel_checks_run": len(rows),
         "kernel_max_err_bf16": kernels.get("max_err_bf16"),
         "kernel_max_err_fp32": kernels.get("max_err_fp32"),
+        "mosaic_checks_ok": sum(bool(r.get("ok")) for r in mosaic_rows),
+        "mosaic_checks_run": len(mosaic_rows),
+        "mosaic_backend": ",".join(sorted({r["backend"] for r in mosaic_rows if "backend" in r})) or None,
+        "max_mosaic_over_ours": bench_head.get("max_mosaic_over_ours"),
         "copy_bandwidth_gbps": bench.get("copy_bandwidth_gbps"),
         "best_pct_copy_bw": max((r["pct_copy_bw"] for r in bench_rows), default=None),
         "min_pct_copy_bw_ctx_ge_4096": bench_head.get("min_pct_copy_bw_ctx_ge_4096"),
@@ -499,8 +521,9 @@ def main(argv: list[str] | None = None) -> dict:
 def summary(name: str, part: dict) -> dict:
     """What gpu.json keeps of a part (its own file has everything)."""
     keep = {"kernels": ("all_ok", "checks_run", "checks_ok", "max_err_bf16", "max_err_fp32", "backends", "skipped",
-                        "warnings", "impl", "rows"),
-            "kernel_bench": ("headline", "correctness_ok", "copy_bandwidth_gbps", "pallas_backends", "device",
+                        "warnings", "impl", "rows", "mosaic"),
+            "kernel_bench": ("headline", "correctness_ok", "copy_bandwidth_gbps", "pallas_backends", "triton_kernels",
+                             "mosaic_gpu", "device",
                              "jax_version", "quick", "correctness", "rows", "quantized", "skipped"),
             "throughput": ("headline", "attention_impl", "model", "budget", "workload", "step_time_vs_batch",
                            "partial", "stopped", "outputs_identical", "run_seconds")}[name]

@@ -14,6 +14,9 @@
    ``block_until_ready`` and ``time.perf_counter``) of
      ours       - pallas_kernels.paged_attention_decode (small tuning sweep, auto num_splits),
      shipped    - jax.experimental.pallas.ops.gpu.paged_attention (small sweep too),
+     mosaic     - pallas_kernels.mosaic (the Mosaic GPU kernel, Hopper only; not timed in
+                  interpret mode); where this jax has no Triton backend, "ours" and
+                  "shipped" are skipped with the reason and the rest still runs,
      xla_ref    - the oracle (gather + fp32 softmax, plain XLA),
      contiguous - the same attention on contiguous [batch, kv, ctx, D] K/V: XLA einsum
                   and JAX's Triton decode_attention kernel; the faster one counts,
@@ -58,16 +61,18 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import pallas_kernels  # noqa: E402
 from experiments.common import machine_info  # noqa: E402
 from experiments.kernel_check import backend_of, max_rel_err  # noqa: E402
 from paged_jax.attention import reference  # noqa: E402
 from paged_jax.kv import KVPages, quant  # noqa: E402
-from pallas_kernels import (  # noqa: E402
-    default_blocks_per_step,
-    default_num_splits,
-    paged_attention_chunk,
-    paged_attention_decode,
-)
+from pallas_kernels import default_blocks_per_step, default_num_splits  # noqa: E402
+
+# The Triton-backend kernels; None where this jax has no Pallas Triton backend (removed
+# after its 0.11 deprecation): the bench then times the Mosaic GPU kernel and the oracle.
+paged_attention_decode = getattr(pallas_kernels, "paged_attention_decode", None)
+paged_attention_chunk = getattr(pallas_kernels, "paged_attention_chunk", None)
+TRITON_MISSING = None if paged_attention_decode else f"pallas_kernels' Triton kernels: {pallas_kernels.TRITON_ERROR}"
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 4, 128
 DTYPE = jnp.bfloat16
@@ -226,6 +231,34 @@ def shipped_fn():
     return shipped.paged_attention
 
 
+def mosaic_missing(env: Env) -> str | None:
+    """Why the Mosaic GPU kernel is not checked or timed here (None: it is): it runs on
+    Hopper only; in interpret mode (no GPU) the contract suite and ``gpu``'s kernels part
+    check it, and a time there would mean nothing."""
+    if env.interpret:
+        return "interpret mode: checked by the contract suite and gpu's kernels part, not timed"
+    from paged_jax.attention import mosaic
+
+    return mosaic.missing()
+
+
+def mosaic_decode(q, k_pages, v_pages, block_tables, lengths, **tuning):
+    """The Mosaic GPU kernel (``pallas_kernels.mosaic``) with the decode kernel's arguments:
+    q [B, Hq, D] -> [B, Hq, D]."""
+    from pallas_kernels import mosaic
+
+    q_lens = (lengths > 0).astype(jnp.int32)
+    return mosaic.paged_attention(q[:, None], k_pages, v_pages, block_tables, lengths, q_lens, **tuning)[:, 0]
+
+
+def mosaic_candidates(shape: Shape, env: Env, tune: bool) -> list[dict]:
+    auto_splits = default_num_splits(shape.batch, NUM_KV_HEADS, shape.context, env.num_sms)
+    cands = [dict(num_splits=auto_splits)]
+    if tune and shape.context >= 4096:
+        cands.append(dict(num_splits=min(64, 2 * auto_splits)))
+    return cands
+
+
 # ---------------------------------------------------------------------------- timing
 def time_fn(fn, *args, target_s: float = 0.02, reps: int = 7) -> float:
     """Median seconds per call: `reps` repetitions of n back-to-back calls after warm-up.
@@ -273,9 +306,21 @@ def check_correctness(env: Env, shape: Shape, quick: bool) -> list[dict]:
     lengths[:4] = [0, 1, shape.block_size, cap][: shape.batch]
     args = make_inputs(jax.random.PRNGKey(0), shape, lengths=lengths)
     q, kp, vp, bt, ln = args
+    ref = oracle_decode(*args)
+    if mosaic_missing(env) is None:
+        om = mosaic_decode(*args, num_splits=2)
+        results.append(dict(name="mosaic_gpu (2 splits) vs reference bf16", err=max_rel_err(om, ref), tol=2e-2))
+        if not quick:
+            f32 = [x.astype(jnp.float32) for x in (q, kp, vp)]
+            om32 = mosaic_decode(*f32, bt, ln)
+            results.append(dict(name="mosaic_gpu vs reference fp32 (bf16x3 terms)",
+                                err=max_rel_err(om32, oracle_decode(*f32, bt, ln)), tol=1e-4))
+    if TRITON_MISSING:
+        for r in results:
+            r["ok"] = bool(r["err"] <= r["tol"])
+        return results
     cfg = our_candidates(shape, env, tune=False)[0]
     ours = paged_attention_decode(*args, interpret=env.interpret, **cfg)
-    ref = oracle_decode(*args)
     results.append(dict(name=f"ours {cfg} vs reference bf16", err=max_rel_err(ours, ref), tol=2e-2))
     if not quick:
         o3 = paged_attention_decode(*args, num_splits=3, blocks_per_step=2, interpret=env.interpret)
@@ -333,6 +378,8 @@ def oracle_decode_quantized(q, pages: KVPages, tables, lengths):
 def quantized_decode(env: Env, shape: Shape) -> list[dict]:
     """The decode kernel over int8 / int8_channel / fp8_e4m3 pages (bf16 scales, loaded
     with each tile) vs the oracle on the same pages, and its time vs bf16 pages."""
+    if TRITON_MISSING:
+        return []
     args = make_inputs(jax.random.PRNGKey(2), shape)
     q, kp, vp, bt, ln = args
     cfg = our_candidates(shape, env, tune=False)[0]
@@ -359,7 +406,14 @@ def report_backends(env: Env, shape: Shape) -> dict:
     args = make_inputs(jax.random.PRNGKey(2), shape)
     q, kp, vp, bt, ln = args
     qc = jnp.zeros((shape.batch, 4, NUM_Q_HEADS, HEAD_DIM), DTYPE)
-    out = {
+    out = {}
+    if mosaic_missing(env) is None:
+        out["mosaic_decode"] = pallas_backend(mosaic_decode, *args)
+    else:
+        out["mosaic_decode"] = f"not run: {mosaic_missing(env)}"
+    if TRITON_MISSING:
+        return out | {"ours_decode": f"unavailable: {TRITON_MISSING}"}
+    out |= {
         "ours_decode": pallas_backend(
             functools.partial(paged_attention_decode, interpret=env.interpret), *args
         ),
@@ -455,17 +509,29 @@ def bench_shape(shape: Shape, env: Env, copy_bw: float, tune: bool, shipped) -> 
     args = make_inputs(jax.random.PRNGKey(shape.batch * 7 + shape.context + shape.block_size), shape)
     q, kp, vp, bt, ln = args
 
-    t, cfg, errs = best_of(
-        our_candidates(shape, env, tune),
-        lambda c: functools.partial(paged_attention_decode, interpret=env.interpret, **c),
-        args,
-        env,
-    )
-    if cfg is None:
-        raise RuntimeError(f"no setting of our kernel ran: {errs}")
-    row.update(ours_us=t * 1e6, ours_cfg=cfg)
-    if errs:
-        row["ours_errors"] = errs
+    t = None
+    if not TRITON_MISSING:
+        t, cfg, errs = best_of(
+            our_candidates(shape, env, tune),
+            lambda c: functools.partial(paged_attention_decode, interpret=env.interpret, **c),
+            args,
+            env,
+        )
+        if cfg is None:
+            raise RuntimeError(f"no setting of our kernel ran: {errs}")
+        row.update(ours_us=t * 1e6, ours_cfg=cfg)
+        if errs:
+            row["ours_errors"] = errs
+    else:
+        row.update(ours_us=None, ours_skipped=TRITON_MISSING)
+    if mosaic_missing(env) is None:
+        tm, cfg_m, errs = best_of(mosaic_candidates(shape, env, tune),
+                                  lambda c: jax.jit(functools.partial(mosaic_decode, **c)), args, env)
+        row.update(mosaic_us=tm * 1e6 if math.isfinite(tm) else None, mosaic_cfg=cfg_m)
+        if errs:
+            row["mosaic_errors"] = errs
+    else:
+        row.update(mosaic_us=None, mosaic_skipped=mosaic_missing(env))
     if shipped is not None:
         ts, cfg_s, errs = best_of(
             shipped_candidates(shape, env, tune),
@@ -501,10 +567,16 @@ def bench_shape(shape: Shape, env: Env, copy_bw: float, tune: bool, shipped) -> 
         contiguous_all_us={k: v * 1e6 for k, v in contig.items()},
     )
 
-    row["ours_gbps"] = shape.kv_bytes / t / 1e9
-    row["pct_copy_bw"] = 100.0 * (shape.kv_bytes / t) / copy_bw
-    row["speedup_vs_shipped"] = (row["shipped_us"] / row["ours_us"]) if row.get("shipped_us") else None
-    row["paged_over_contiguous"] = row["ours_us"] / row["contiguous_us"]
+    # The headline kernel: ours (Triton) where it runs, else the Mosaic GPU one.
+    t_main = t if t is not None else (row["mosaic_us"] / 1e6 if row.get("mosaic_us") else None)
+    row["ours_gbps"] = shape.kv_bytes / t_main / 1e9 if t_main else None
+    row["pct_copy_bw"] = 100.0 * (shape.kv_bytes / t_main) / copy_bw if t_main else None
+    row["speedup_vs_shipped"] = (row["shipped_us"] / row["ours_us"]) if row.get("shipped_us") and t else None
+    row["paged_over_contiguous"] = t_main * 1e6 / row["contiguous_us"] if t_main else None
+    if row.get("mosaic_us"):
+        row["mosaic_pct_copy_bw"] = 100.0 * (shape.kv_bytes / (row["mosaic_us"] / 1e6)) / copy_bw
+        row["mosaic_over_ours"] = row["mosaic_us"] / row["ours_us"] if t else None
+        row["mosaic_speedup_vs_shipped"] = row["shipped_us"] / row["mosaic_us"] if row.get("shipped_us") else None
     return row
 
 
@@ -517,7 +589,7 @@ def fits(shape: Shape, env: Env) -> bool:
 def format_table(rows: list[dict]) -> str:
     head = (
         f"{'batch':>5} {'ctx':>6} {'bs':>4} | {'ours us':>9} {'GB/s':>7} {'%copy':>6} "
-        f"{'shipped us':>10} {'speedup':>7} {'xla_ref us':>10} {'contig us':>9} "
+        f"{'shipped us':>10} {'speedup':>7} {'mosaic us':>9} {'xla_ref us':>10} {'contig us':>9} "
         f"{'paged/contig':>12} | ours cfg"
     )
     lines = [head, "-" * len(head)]
@@ -531,7 +603,7 @@ def format_table(rows: list[dict]) -> str:
             f"{r['batch']:>5} {r['context']:>6} {r['block_size']:>4} | {f(r['ours_us'], '9.1f')} "
             f"{f(r['ours_gbps'], '7.0f')} {f(r['pct_copy_bw'], '6.1f')} "
             f"{f(r.get('shipped_us'), '10.1f'):>10} {f(r.get('speedup_vs_shipped'), '7.2f'):>7} "
-            f"{f(r.get('xla_ref_us'), '10.1f'):>10} {f(r['contiguous_us'], '9.1f')} "
+            f"{f(r.get('mosaic_us'), '9.1f'):>9} {f(r.get('xla_ref_us'), '10.1f'):>10} {f(r['contiguous_us'], '9.1f')} "
             f"{f(r['paged_over_contiguous'], '12.2f')} | splits={cfg.get('num_splits')} "
             f"bps={cfg.get('blocks_per_step')}"
         )
@@ -539,10 +611,15 @@ def format_table(rows: list[dict]) -> str:
 
 
 def headline(rows: list[dict]) -> dict:
-    long_ctx = [r["pct_copy_bw"] for r in rows if r["context"] >= 4096]
+    long_ctx = [r["pct_copy_bw"] for r in rows if r["context"] >= 4096 and r.get("pct_copy_bw") is not None]
     speed = [r["speedup_vs_shipped"] for r in rows if r.get("speedup_vs_shipped")]
-    slow = [r["paged_over_contiguous"] for r in rows if r["block_size"] >= 16]
+    slow = [r["paged_over_contiguous"] for r in rows if r["block_size"] >= 16 and r.get("paged_over_contiguous")]
+    mosaic = [r["mosaic_over_ours"] for r in rows if r.get("mosaic_over_ours")]
+    mosaic_bw = [r["mosaic_pct_copy_bw"] for r in rows if r.get("mosaic_pct_copy_bw") and r["context"] >= 4096]
     return {
+        "max_mosaic_over_ours": max(mosaic) if mosaic else None,
+        "min_mosaic_over_ours": min(mosaic) if mosaic else None,
+        "min_mosaic_pct_copy_bw_ctx_ge_4096": min(mosaic_bw) if mosaic_bw else None,
         "min_pct_copy_bw_ctx_ge_4096": min(long_ctx) if long_ctx else None,
         "min_speedup_vs_shipped": min(speed) if speed else None,
         "max_paged_over_contiguous_bs_ge_16": max(slow) if slow else None,
@@ -611,9 +688,11 @@ def main(argv: list[str] | None = None) -> dict:
         finally:
             gc.collect()
         rows.append(row)
+        fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
         print(
             f"  b={shape.batch:<4} ctx={shape.context:<6} bs={shape.block_size:<4} ours "
-            f"{row['ours_us']:.1f} us ({row['pct_copy_bw']:.0f}% copy bw)  [{time.perf_counter() - start:.0f} s]"
+            f"{fmt(row['ours_us'], '.1f')} us ({fmt(row['pct_copy_bw'], '.0f')}% copy bw), mosaic_gpu "
+            f"{fmt(row.get('mosaic_us'), '.1f')} us  [{time.perf_counter() - start:.0f} s]"
         )
 
     quantized = quantized_decode(env, shapes[0] if quick else Shape(64, 4096, 16))
@@ -640,6 +719,8 @@ def main(argv: list[str] | None = None) -> dict:
         jax_version=jax.__version__,
         interpret=env.interpret,
         pallas_backends=backends,
+        triton_kernels=TRITON_MISSING or "available",
+        mosaic_gpu=mosaic_missing(env) or "checked and timed",
         quick=quick,
         shapes=dict(
             num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype=jnp.dtype(DTYPE).name

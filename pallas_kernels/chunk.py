@@ -44,6 +44,7 @@ from pallas_kernels.common import (
     block_ids,
     check_common,
     combine_splits,
+    device_arch,
     finalize,
     flat_pages,
     flat_scales,
@@ -219,6 +220,34 @@ def default_block_rows(rows: int) -> int:
     return min(max(MIN_DOT_DIM, next_pow2(rows)), 64)
 
 
+def default_tuning(*, rows: int, head_dim: int, block_size: int, dtype, arch: int | None = None) -> dict:
+    """The chunk kernel's default tuning for pages of ``dtype`` on ``arch`` (80, 90; None:
+    90), ``rows`` = chunk * group (query, q head) rows. Chosen by compiling for sm_80 and
+    sm_90a offline (``pallas_kernels.offline``, ``experiments/kernel_resources.py``): the
+    first setting, in order of preference, without spills and within shared memory over
+    head_dim 64/128, block 16/32/64, GQA 1/4/8 (tests/test_kernel_resources.py).
+
+    - 16-bit and quantised pages: all rows up to 64 per program, ~128 tokens per step, 2
+      stages, **8 warps** (with 4, a 64 x 128 tile at head_dim 128 needs 255 registers and
+      spills on both archs); 64 tokens for 64-row tiles at head_dim 64 on sm_80.
+    - fp32 pages (FMA dots, operands in registers): 16 rows per program, 8 warps; 64
+      tokens and 2 stages at head_dim 64, 32 tokens and 1 stage at head_dim >= 128, where
+      64-token blocks on sm_90 need 4 warps (no setting with 8 fits there).
+    """
+    arch = 90 if arch is None else arch
+    if jnp.dtype(dtype).itemsize == 4:
+        tokens, stages = (64, 2) if head_dim <= 64 else (32, 1)
+        warps = 4 if head_dim > 64 and arch >= 90 and block_size >= 64 else 8
+        return dict(block_rows=MIN_DOT_DIM, blocks_per_step=max(1, tokens // block_size), num_warps=warps,
+                    num_stages=stages)
+    block_rows = default_block_rows(rows)
+    tokens = 64 if arch < 90 and head_dim <= 64 and block_rows >= 64 else 128
+    if head_dim > 128:
+        tokens = 64
+    return dict(block_rows=block_rows, blocks_per_step=max(1, tokens // block_size, MIN_DOT_DIM // block_size),
+                num_warps=8, num_stages=2)
+
+
 def _rows_layout(q: jax.Array, num_kv_heads: int) -> jax.Array:
     """[batch, chunk, Hq, D] -> [batch, Hk, chunk * group, D] with row r = t * group + g."""
     batch, chunk, num_q_heads, head_dim = q.shape
@@ -325,8 +354,8 @@ def paged_attention_chunk(
     block_rows: int | None = None,
     blocks_per_step: int | None = None,
     num_splits: int = 1,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     interpret: bool = False,
     mask_value: float = DEFAULT_MASK_VALUE,
 ) -> jax.Array:
@@ -357,7 +386,8 @@ def paged_attention_chunk(
         all chunk * group rows up to 64.  Each row block re-reads the KV it needs.
       blocks_per_step: physical blocks per loop step, as in ``paged_attention_decode``.
       num_splits: flash-decoding splits of the KV range (1 = no combine pass).
-      num_warps, num_stages: Triton launch parameters.
+      num_warps, num_stages: Triton launch parameters; None (and block_rows,
+        blocks_per_step None): ``default_tuning``'s for this GPU.
       interpret: run in the Pallas interpreter (CPU testing).
       mask_value: finite logit given to masked slots.
 
@@ -371,6 +401,15 @@ def paged_attention_chunk(
     if q.ndim != 4:
         raise ValueError(f"q must be [batch, chunk, num_q_heads, head_dim], got {q.shape}")
     batch, chunk, num_q_heads, head_dim = q.shape
+    if k_pages.ndim >= 4 and num_q_heads % max(1, k_pages.shape[-4]) == 0:
+        defaults = default_tuning(rows=chunk * (num_q_heads // k_pages.shape[-4]), head_dim=head_dim,
+                                  block_size=k_pages.shape[-2], dtype=k_pages.dtype, arch=device_arch())
+        block_rows = defaults["block_rows"] if block_rows is None else block_rows
+        blocks_per_step = defaults["blocks_per_step"] if blocks_per_step is None else blocks_per_step
+        num_warps = defaults["num_warps"] if num_warps is None else num_warps
+        num_stages = defaults["num_stages"] if num_stages is None else num_stages
+    num_warps = 4 if num_warps is None else num_warps  # shapes check_common refuses below
+    num_stages = 2 if num_stages is None else num_stages
     group, blocks_per_step, layer = check_common(
         num_q_heads,
         head_dim,

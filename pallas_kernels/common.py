@@ -182,6 +182,17 @@ def default_blocks_per_step(block_size: int, head_dim: int) -> int:
     return max(1, target // block_size, MIN_DOT_DIM // block_size)
 
 
+def device_arch() -> int | None:
+    """The GPU's compute capability as an int (90 for sm_90), or None off the GPU."""
+    if jax.default_backend() != "gpu":
+        return None
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    if cc is None:
+        return None
+    major, minor = (int(x) for x in str(cc).split(".")[:2])
+    return 10 * major + minor
+
+
 def default_num_splits(batch: int, num_kv_heads: int, max_len: int, num_sms: int = 132) -> int:
     """Flash-decoding splits so that batch * kv_heads * splits roughly fills the GPU.
 

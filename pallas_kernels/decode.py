@@ -54,6 +54,8 @@ from pallas_kernels.common import (
     block_ids,
     check_common,
     combine_splits,
+    default_blocks_per_step,
+    device_arch,
     finalize,
     flat_pages,
     flat_scales,
@@ -266,6 +268,31 @@ def _paged_attention_decode(
     return o[:, :, :group, :].reshape(batch, num_q_heads, head_dim)
 
 
+def default_tuning(*, head_dim: int, block_size: int, dtype, arch: int | None = None,
+                   per_channel: bool = False) -> dict:
+    """The decode kernel's default tuning for pages of ``dtype`` on ``arch`` (80, 90; None:
+    90): tokens per step, warps, stages. Chosen by compiling for sm_80 and sm_90a offline
+    (``pallas_kernels.offline``, ``experiments/kernel_resources.py``): the first setting, in
+    order of preference, without spills and within the arch's shared memory, over
+    head_dim 64/128, block 16/32/64 (tests/test_kernel_resources.py keeps it so).
+
+    - 16-bit and per-token quantised pages: ~128 tokens per step, 4 warps, 2 stages;
+      per-channel scales: 8 warps (4 spill on sm_80).
+    - fp32 pages: IEEE fp32 dots run on the FMA units, so the operands live in registers:
+      8 warps and 64 tokens per step at head_dim 64; at head_dim >= 128 one block per step
+      (>= 16 tokens), 1 stage past 16-token blocks, and 4 warps for 64-token blocks on
+      sm_90 (8 spill there; at 128 tokens the 2-stage tiles need 264 KB of shared memory).
+    """
+    arch = 90 if arch is None else arch
+    if jnp.dtype(dtype).itemsize == 4:
+        if head_dim <= 64:
+            return dict(blocks_per_step=max(1, 64 // block_size), num_warps=8, num_stages=2)
+        warps = 4 if arch >= 90 and block_size >= 64 else 8
+        return dict(blocks_per_step=max(1, 16 // block_size), num_warps=warps, num_stages=2 if block_size <= 16 else 1)
+    return dict(blocks_per_step=default_blocks_per_step(block_size, head_dim), num_warps=8 if per_channel else 4,
+                num_stages=2)
+
+
 def paged_attention_decode(
     q: jax.Array,
     k_pages: jax.Array,
@@ -280,8 +307,8 @@ def paged_attention_decode(
     per_channel_scales: bool = False,
     blocks_per_step: int | None = None,
     num_splits: int = 1,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     interpret: bool = False,
     mask_value: float = DEFAULT_MASK_VALUE,
 ) -> jax.Array:
@@ -310,11 +337,12 @@ def paged_attention_decode(
         axes then [block_size] (per token) or [head_dim] (``per_channel_scales``);
         loaded with each tile and multiplied in f32. None for float pages.
       blocks_per_step: physical blocks gathered per loop step (power of two; the step's
-        blocks_per_step * block_size tokens must be in [16, 256]). Default: ~128 tokens
-        (64 for head_dim 256).
+        blocks_per_step * block_size tokens must be in [16, 256]). Default
+        (``default_tuning``): ~128 tokens (64 for head_dim 256); fewer for fp32 pages.
       num_splits: flash-decoding splits of each sequence (1 = no split, no combine pass).
         See ``default_num_splits`` for a choice that fills the GPU.
-      num_warps, num_stages: Triton launch parameters.
+      num_warps, num_stages: Triton launch parameters; None: ``default_tuning``'s for this
+        GPU's arch.
       interpret: run the kernel in the Pallas interpreter (CPU testing).
       mask_value: finite logit given to masked slots.
 
@@ -329,6 +357,11 @@ def paged_attention_decode(
     if q.ndim != 3:
         raise ValueError(f"q must be [batch, num_q_heads, head_dim], got shape {q.shape}")
     batch, num_q_heads, head_dim = q.shape
+    defaults = default_tuning(head_dim=head_dim, block_size=k_pages.shape[-2], dtype=k_pages.dtype,
+                              arch=device_arch(), per_channel=per_channel_scales)
+    blocks_per_step = defaults["blocks_per_step"] if blocks_per_step is None else blocks_per_step
+    num_warps = defaults["num_warps"] if num_warps is None else num_warps
+    num_stages = defaults["num_stages"] if num_stages is None else num_stages
     _, blocks_per_step, layer = check_common(
         num_q_heads,
         head_dim,

@@ -21,7 +21,8 @@ tokenizer.json, control tokens typed 3):
 - ``sp_tokenizer.gguf``: a SentencePiece-style ``llama`` vocabulary (BPE trained here on the
   corpus, byte-fallback tokens, scores, no merges) and no tensors.
 
-``expected.npz``: per model file, logits of two prompts and 8 greedy tokens computed by
+``transformers_outputs.npz`` (not ``expected.npz``: test_checkpoint runs every directory
+holding one): per model file, logits of two prompts and 8 greedy tokens computed by
 transformers' own GGUF path (``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)``,
 float32); per tokenizer file, transformers' GGUF tokenizer ids of the corpus lines.
 ``metadata.json`` records the versions.
@@ -64,7 +65,8 @@ def read_checkpoint(path: str) -> tuple[dict, dict[str, np.ndarray]]:
 LAYER = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
          "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-         "mlp.down_proj": "ffn_down"}
+         "mlp.down_proj": "ffn_down", "self_attn.q_norm.weight": "attn_q_norm.weight",
+         "self_attn.k_norm.weight": "attn_k_norm.weight"}
 
 
 def gguf_name(hf: str) -> str:
@@ -110,9 +112,36 @@ def write_header(writer, config: dict, name: str) -> None:
     writer.add_rope_dimension_count(head_dim)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
+    writer.add_rope_freq_base(rope_theta(config))
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
     writer.add_vocab_size(config["vocab_size"])
+
+
+def rope_theta(config: dict) -> float:
+    return float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
+
+
+def llama3_rope_freqs(config: dict) -> np.ndarray | None:
+    """llama.cpp's ``rope_freqs`` tensor for a llama3-scaled config (convert_hf_to_gguf.py's
+    LlamaModel): per RoPE pair, the divisor of its frequency; None for other configs."""
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type")) != "llama3":
+        return None
+    heads = config["num_attention_heads"]
+    d = config.get("head_dim") or config["hidden_size"] // heads
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    original = rope["original_max_position_embeddings"]
+    out = []
+    for f in rope_theta(config) ** (-np.arange(0, d, 2, dtype=np.float64) / d):
+        wavelen = 2 * np.pi / f
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
 
 
 def write_bpe_tokenizer(writer, path: str, vocab_size: int) -> None:
@@ -155,6 +184,9 @@ def write_model(path_out: str, config: dict, tensors: dict, qtype, *, arch: str 
     if tokenizer_dir is not None:
         write_bpe_tokenizer(writer, tokenizer_dir, config["vocab_size"])
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    freqs = llama3_rope_freqs(config)
+    if freqs is not None:
+        writer.add_tensor("rope_freqs.weight", freqs)
     for hf, w in tensors.items():
         if hf == "lm_head.weight" and tie:
             continue
@@ -316,7 +348,7 @@ def main() -> None:
         tok = AutoTokenizer.from_pretrained(OUT, gguf_file=name)
         for j, line in enumerate(corpus):
             expected[f"{name}/tokens_{j}"] = np.asarray(tok(line)["input_ids"], dtype=np.int32)
-    np.savez_compressed(os.path.join(OUT, "expected.npz"), **expected)
+    np.savez_compressed(os.path.join(OUT, "transformers_outputs.npz"), **expected)
     meta = {"prompts": [list(p) for p in PROMPTS], "greedy": GREEDY, "corpus_lines": len(corpus), "files": files,
             "gguf": gguf.__version__ if hasattr(gguf, "__version__") else None,
             "transformers": transformers.__version__, "torch": torch.__version__}

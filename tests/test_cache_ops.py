@@ -518,6 +518,7 @@ def exact_blocks_needed(length, n, bs, cow):
     return -(-(length + n) // bs) - -(-length // bs) + cow  # Python ints: no overflow
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block_size", [1, 4])
 def test_blocks_needed_is_exact_for_the_largest_int32_count(block_size):
     """It used to overflow: 2**31 - 1 tokens gave -536870913 blocks."""
@@ -532,6 +533,7 @@ def test_blocks_needed_is_exact_for_the_largest_int32_count(block_size):
         assert min(got) > 0
 
 
+@pytest.mark.slow
 def test_huge_counts_are_bad_num_tokens_and_never_wrap():
     big = 2**31 - 1
     state = with_tokens(new_state(), {0: 6})

@@ -23,8 +23,10 @@ from paged_jax.steps import init_pages_for, make_step_fns
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 NAMES = ("llama", "qwen2", "mistral", "qwen3")
-# Every fixture with transformers' outputs (llama_yarn: yarn RoPE, by scripts/make_rope_fixture.py).
-PARITY = tuple(sorted(n for n in os.listdir(FIXTURES) if os.path.exists(os.path.join(FIXTURES, n, "expected.npz"))))
+# Every HF checkpoint fixture with transformers' outputs (llama_yarn: yarn RoPE, by
+# scripts/make_rope_fixture.py); fixtures/gguf holds GGUF files (tests/test_gguf.py).
+PARITY = tuple(sorted(n for n in os.listdir(FIXTURES)
+                     if all(os.path.exists(os.path.join(FIXTURES, n, f)) for f in ("expected.npz", "config.json"))))
 ATOL = 1e-4
 T = 16  # every prompt is padded to this length: one compiled shape per model
 

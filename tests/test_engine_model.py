@@ -35,6 +35,7 @@ def alone(prompts):
     return outs
 
 
+@pytest.mark.slow
 def test_greedy_generation_matches_transformers():
     expected = np.load(os.path.join(FIXTURE, "expected.npz"))
     llm = LLM(FIXTURE, num_gpu_blocks=SMALL, **CONFIG)

@@ -66,6 +66,7 @@ def _fork_and_decode(name: str, copy) -> np.ndarray:
     return np.stack(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["int8", "int8_channel"])  # fp8 shares int8's per-token path
 def test_copy_on_write_carries_scales(name):
     """Our copy keeps both rows' logits equal to the same computation without sharing
@@ -103,6 +104,7 @@ def prompts():
 
 
 # fp8 shares int8's per-token write and read paths (its numerics: tests/test_kv_quant.py).
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["int8", "int8_channel"])
 def test_quantized_outputs_do_not_depend_on_memory_pressure(prompts, name):
     """Each prompt alone (no pressure) vs all at once in a pool that preempts by swap,

@@ -216,6 +216,7 @@ def test_prompt_logprobs_chunked_recomputed_and_with_prefix_caching():
     assert_drained(cached)
 
 
+@pytest.mark.slow
 def test_one_program_per_shape_whatever_the_options():
     """An all-greedy run, then the same shapes with penalties, min-p, min_tokens and
     sampling mixed in: nothing retraces. (logprobs add the top-K: a variant of its own.)"""
@@ -231,6 +232,7 @@ def test_one_program_per_shape_whatever_the_options():
     assert dict(llm.engine.runner.traces) == traces
 
 
+@pytest.mark.slow
 def test_rows_with_processing_do_not_speculate_and_match_plain_decoding():
     # Phrases that repeat (n-gram hits); one plain row, so verification compiles one shape.
     prompts = [(p[:3] * 10)[: len(p) + 6] for p in _prompts(4, seed=0, lo=4, hi=12)]
@@ -257,6 +259,7 @@ def test_rows_with_processing_do_not_speculate_and_match_plain_decoding():
     assert len(got[2].seqs[0].output_logprobs) == len(got[2].seqs[0].output_token_ids)
 
 
+@pytest.mark.slow
 def test_llama_logprobs_and_prompt_logprobs_match_transformers():
     """On the tiny Llama checkpoint: prompt logprobs equal Hugging Face's full-prompt
     forward pass (``expected.npz``'s logits at every prompt position), output logprobs

@@ -47,6 +47,7 @@ def reference():
     return _tokens(outs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_gives_identical_outputs(reference, mode):
     llm = _llm(num_blocks=SMALL, preemption_mode=mode)
@@ -212,6 +213,7 @@ def test_kv_cache_memory_bytes_sizes_the_pool():
     assert llm.num_gpu_blocks == 20
 
 
+@pytest.mark.slow
 def test_admission_policies_order_the_waiting_queue_and_keep_the_outputs():
     """One row at a time, so admission order is the order requests run: "priority"
     admits lower priorities first (ties in arrival order), "shortest_prompt_first" the

@@ -45,6 +45,7 @@ def _completions(outs):
 # ----------------------------------------------------------------------------- parallel sampling
 
 
+@pytest.mark.slow
 def test_parallel_sampling_forks_the_prompt_and_each_completion_has_its_own_stream():
     prompts = _prompts(4, seed=1)
     params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=10)
@@ -63,6 +64,7 @@ def test_parallel_sampling_forks_the_prompt_and_each_completion_has_its_own_stre
     assert_drained(llm)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_parallel_sampling_is_unchanged_by_memory_pressure(mode):
     prompts = _prompts(6, seed=2)
@@ -218,6 +220,7 @@ def _mixed_roomy():
     return _completions(roomy)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,victim", [
     ("recompute", "most_recently_admitted"), ("swap", "most_recently_admitted"), ("recompute", _widest_group),
 ], ids=["recompute-latest", "swap-latest", "recompute-widest"])
@@ -239,6 +242,7 @@ def test_beams_parallel_and_plain_requests_mixed_under_pressure(mode, victim):
     assert_drained(llm)
 
 
+@pytest.mark.slow
 def test_without_sharing_every_fork_is_a_full_copy_and_outputs_are_unchanged():
     """``share_blocks=False`` (the baseline of the beam study): forks and beam selections
     copy every block, so physical blocks equal the unshared count at every step, and
@@ -279,6 +283,7 @@ def test_beam_search_params_name_the_bad_field(kwargs, match):
         BeamSearchParams(**kwargs)
 
 
+@pytest.mark.slow
 def test_requests_that_can_never_fit_are_refused_up_front():
     llm = _llm(SMALL, max_num_seqs=4)
     with pytest.raises(ValueError, match="beam_width=8 exceeds max_num_seqs=4"):

@@ -39,6 +39,7 @@ def _repetitive(rng, n, vocab, lo=6, hi=30):
 FAKE = dict(block_size=4, max_num_seqs=6, max_model_len=64, max_num_batched_tokens=24, debug_checks=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "setting",
     ["stop", "recompute", "swap", "n2", "prefix", "static"],  # "stop" runs without pressure
@@ -129,6 +130,7 @@ SMALL_DRAFT = ModelConfig(vocab_size=256, hidden_size=32, intermediate_size=64, 
                           num_kv_heads=1, head_dim=16, max_position_embeddings=2048)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "draft_self", "draft_small"])
 def test_real_model_greedy_equals_plain_under_pressure(real_prompts, real_plain, method):
     spec = {"ngram": dict(NGRAM),

@@ -54,6 +54,11 @@ def test_without_a_gpu_it_says_so_and_runs_the_smoke_of_every_part(tmp_path, mon
     assert kernels["all_ok"] and not kernels["partial"] and kernels["impl"] == "pallas_interpret"
     assert [(r["kernel"], r["kv_format"]) for r in kernels["rows"]] == [("decode", "int8")]
     assert kernels["rows"][0]["err"] < 2e-2 and kernels["rows"][0]["padding_exact_zero"]
+    # The Mosaic GPU kernel: one case in Mosaic GPU interpret mode; the bench says why it is not timed.
+    assert [(r["ok"], r["backend"]) for r in kernels["mosaic"]["rows"]] == [(True, "interpret")]
+    assert head["mosaic_checks_ok"] == head["mosaic_checks_run"] == 1 and head["mosaic_backend"] == "interpret"
+    bench = json.loads((tmp_path / "kernel_bench.json").read_text())
+    assert "interpret" in bench["mosaic_gpu"] and bench["triton_kernels"] == "available"
     tput = json.loads((tmp_path / "gpu_throughput.json").read_text())
     assert not tput["partial"] and tput["outputs_identical"] and tput["attention_impl"] == "xla"
     assert tput["paged"]["generated_tokens"] == tput["static"]["generated_tokens"] > 0

@@ -27,7 +27,7 @@ ATOL = 2e-4
 
 @functools.cache
 def _expected():
-    return dict(np.load(os.path.join(GGUF, "expected.npz")))
+    return dict(np.load(os.path.join(GGUF, "transformers_outputs.npz")))
 
 
 @functools.cache
@@ -242,3 +242,69 @@ def test_revision_with_a_file_is_refused(tmp_path):
     path = shutil.copy(os.path.join(GGUF, "mistral.Q4_0.gguf"), tmp_path / "m.gguf")
     with pytest.raises(ValueError, match="a file has no revisions"):
         open_source(str(path), revision="main")
+
+
+def _script():
+    """scripts/make_gguf_fixtures.py (its writer needs only gguf and numpy)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "make_gguf_fixtures", os.path.join(os.path.dirname(__file__), "..", "scripts", "make_gguf_fixtures.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _llama3_freqs(factor=8.0, high=4.0):
+    cfg = dict(num_attention_heads=2, hidden_size=32, rope_theta=10000.0,
+               rope_scaling=dict(rope_type="llama3", factor=factor, low_freq_factor=1.0, high_freq_factor=high,
+                                 original_max_position_embeddings=8192))
+    return _script().llama3_rope_freqs(cfg)
+
+
+@pytest.mark.parametrize("name,arch", [("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"),
+                                       ("mistral", "llama")])
+def test_hf_fixture_written_as_f32_gguf_matches_transformers_on_the_hf_checkpoint(tmp_path, name, arch):
+    """Each HF fixture written as an F32 GGUF (Q/K permuted for llama, llama3 RoPE as
+    rope_freqs) reads back to transformers' logits on the original checkpoint: the name map
+    (Qwen3's q/k norms too), the un-permutation and the config, against an independent oracle."""
+    from safetensors.numpy import load_file
+
+    src = os.path.join(FIXTURES, name)
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    tensors = {}
+    for file in sorted(os.listdir(src)):
+        if file.endswith(".safetensors"):
+            tensors.update({k: np.asarray(v, np.float32) for k, v in load_file(os.path.join(src, file)).items()})
+    import gguf
+
+    path = str(tmp_path / f"{name}.gguf")
+    _script().write_model(path, config, tensors, gguf.GGMLQuantizationType.F32, arch=arch, name=f"{name}-fixture",
+                          tie=bool(config.get("tie_word_embeddings")))
+    cfg, graphdef, params = load_model(path, dtype=jnp.float32)
+    assert cfg.architecture == config["architectures"][0] or (name, cfg.architecture) == ("mistral",
+                                                                                          "LlamaForCausalLM")
+    exp = np.load(os.path.join(src, "expected.npz"))
+    for i in range(2):
+        prompt = exp[f"prompt_{i}"]
+        tokens = np.zeros((1, T), np.int32)
+        tokens[0, : len(prompt)] = prompt
+        logits = np.asarray(_forward(graphdef)(params, tokens))[0, : len(prompt)]
+        np.testing.assert_allclose(logits, exp[f"logits_{i}"], atol=1e-4, rtol=0)
+
+
+def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
+    """Llama-3.x GGUFs carry llama3 RoPE scaling as a ``rope_freqs`` tensor, not metadata."""
+    path = _write(tmp_path / "l3.gguf", tensors=[("rope_freqs.weight", _llama3_freqs(factor=32.0), None)])
+    scaling = GGUFFile(path).model_config().rope_scaling
+    assert (scaling.rope_type, scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor,
+            scaling.original_max_position_embeddings) == ("llama3", 32.0, 1.0, 4.0, 8192)
+    odd = _write(tmp_path / "odd.gguf", tensors=[("rope_freqs.weight", _llama3_freqs(high=2.0), None)])
+    with pytest.raises(ValueError, match="rope_freqs does not match llama3"):
+        GGUFFile(odd)
+
+
+def test_dtype_override_casts_every_parameter():
+    cfg, _, params = load_model(os.path.join(GGUF, "kquant.Q4_K.gguf"), dtype=jnp.bfloat16)
+    assert cfg.dtype == "bfloat16" and {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}

@@ -44,6 +44,7 @@ def test_eos_ids_from_config_and_generation_config(tmp_path):
     assert defaults.sampling == {"temperature": 0.6, "top_p": 0.9, "max_tokens": 5}
 
 
+@pytest.mark.slow
 def test_every_eos_id_stops_generation(tmp_path):
     """Greedy from the plain fixture, then the same with one of its output tokens declared
     one of several EOS ids in generation_config.json: generation stops there."""
@@ -168,6 +169,7 @@ def test_non_integral_token_ids_rejected(prompt, match):
     assert not llm.engine.has_unfinished()
 
 
+@pytest.mark.slow
 def test_numpy_prompts_accepted():
     llm = LLM(fake_backend(4), block_size=4, num_gpu_blocks=16, max_model_len=32)
     as_lists = llm.generate([[1, 2, 3], [4, 5]], GREEDY, use_tqdm=False)
@@ -207,6 +209,7 @@ def _nan_on_token(poison: int):
     return fake_backend(4)._replace(step=step)
 
 
+@pytest.mark.slow
 def test_nan_logits_end_that_request_with_an_error():
     from engine_fakes import assert_drained
 
@@ -222,6 +225,7 @@ def test_nan_logits_end_that_request_with_an_error():
     assert_drained(llm)
 
 
+@pytest.mark.slow
 def test_warmup_compiles_what_a_plain_call_needs():
     llm = LLM(fake_backend(4), block_size=4, num_gpu_blocks=32, max_model_len=32, max_num_seqs=8,
               max_num_batched_tokens=32, debug_checks=True)
@@ -237,6 +241,7 @@ def test_warmup_compiles_what_a_plain_call_needs():
     assert dict(llm.engine.runner.traces) == before  # nothing new compiled by the call
 
 
+@pytest.mark.slow
 def test_a_typical_first_call_compiles_at_most_four_programs():
     """A batch of prompts of mixed lengths, mixed greedy and sampled, outputs of mixed
     lengths (the batch drains): one or two prefill shapes, decode at 32, 16 and 8 rows."""

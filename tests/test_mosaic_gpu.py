@@ -53,6 +53,7 @@ def long_case(dtype, *, b=3, hq=8, hkv=1, bs=16, p=20, d=64, seed=0):
             jnp.asarray(lengths), jnp.asarray(np.minimum(lengths, 1).astype(np.int32)))
 
 
+@pytest.mark.slow
 @needs_interpreter
 def test_pipeline_over_many_steps_with_split_k():
     """5 steps of 64 keys through a 3-deep ring, shared by 2 splits (ragged: one split of a
@@ -175,3 +176,26 @@ def test_lowers_for_sm90_without_a_gpu(name):
     text = exported.mlir_module()
     assert "mosaic_gpu" in text  # the kernel is a Mosaic GPU custom call, not Triton
     assert "__gpu$xla.gpu.triton" not in text
+
+
+def test_without_the_triton_backend_everything_else_imports():
+    """jax after the Triton backend's removal (deprecated in 0.11), simulated by blocking its
+    import: pallas_kernels imports and says why its Triton kernels are absent, "pallas"
+    reports them unavailable, the Mosaic kernel and the GPU scripts still import."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['jax.experimental.pallas.triton'] = None\n"
+        "import pallas_kernels; assert pallas_kernels.TRITON_ERROR is not None\n"
+        "assert not hasattr(pallas_kernels, 'paged_attention_decode')\n"
+        "from pallas_kernels import mosaic; assert mosaic.paged_attention\n"
+        "from paged_jax.attention import dispatch\n"
+        "why = dispatch.IMPLS['pallas'].available(); assert why and 'mosaic_gpu' in why, why\n"
+        "assert dispatch.IMPLS['mosaic_gpu'].available() is None\n"
+        "import experiments.gpu, experiments.kernel_check\n"
+        "from experiments import kernel_bench; assert kernel_bench.TRITON_MISSING\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

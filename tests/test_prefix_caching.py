@@ -52,6 +52,7 @@ CASES = [(p, SMALL, "recompute") for p in sorted(EVICTION_POLICIES)] + [("lru", 
                                                                        ("lru", SMALL, "swap")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy,blocks,mode", CASES,
                          ids=[f"{p}-{'roomy' if b is ROOMY else 'evicting'}-{m}" for p, b, m in CASES])
 def test_outputs_equal_the_cache_off_run(cold, policy, blocks, mode):
@@ -67,6 +68,7 @@ def test_outputs_equal_the_cache_off_run(cold, policy, blocks, mode):
     assert_drained(llm)
 
 
+@pytest.mark.slow
 def test_hits_skip_the_prefill_of_cached_blocks():
     """Sequential requests with one 13-token prefix: every request after the first
     computes only what follows the prefix's three full blocks."""
@@ -98,6 +100,7 @@ def test_generated_blocks_are_cached_so_a_conversation_reuses_its_history():
     assert _completions(warm) == _completions(cold)
 
 
+@pytest.mark.slow
 def test_parallel_sampling_and_beam_search_compose_with_the_cache():
     prompts = PROMPTS[:6]
     params = [SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=5, ignore_eos=True),

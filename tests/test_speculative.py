@@ -98,6 +98,7 @@ def test_sampling_probs_match_reference_and_sample():
 # ------------------------------------------------------------------ the acceptance rule
 
 
+@pytest.mark.slow
 def test_greedy_rows_keep_the_leading_argmax_matches():
     rng = np.random.default_rng(1)
     b, k, v = 6, 4, 10
@@ -179,6 +180,7 @@ def test_sampled_rows_keep_the_target_distribution(proposer):
 # ------------------------------------------------------------------ rollback is a state transition
 
 
+@pytest.mark.slow
 def test_verification_rolls_back_without_touching_shared_blocks():
     """Row 1 is forked from row 0 (blocks shared, the last one partly filled); row 0
     speculates 5 tokens through the fake model's verification program. Afterwards row 0

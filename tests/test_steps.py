@@ -154,6 +154,7 @@ def _prompts(rng, lens):
     return [list(rng.integers(0, CFG.vocab_size, n)) for n in lens]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block_size", [1, 16, 64])  # a token per block, typical, one block past the prompt
 def test_paged_equals_dense_across_block_sizes(block_size):
     """Prompts that fill the last block exactly and ones that do not; shuffled pools."""
@@ -177,6 +178,7 @@ def test_paged_equals_dense_across_block_sizes(block_size):
         h.check(ids, logits)
 
 
+@pytest.mark.slow
 def test_forked_prefix_copy_on_write():
     """Children share the parent's partly filled last block; each write copies first."""
     rng = np.random.default_rng(7)
@@ -226,6 +228,7 @@ def test_nan_poisoned_free_blocks_change_nothing():
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
+@pytest.mark.slow
 def test_bf16_close_to_fp32():
     """bf16 weights, compute and pages vs fp32: logits within 0.1 (about 2.5% of their range)."""
     rng = np.random.default_rng(10)
@@ -246,6 +249,7 @@ def test_bf16_close_to_fp32():
     assert (out["bfloat16"].argmax(-1) == out["float32"].argmax(-1)).mean() >= 0.75
 
 
+@pytest.mark.slow
 def test_decode_compiles_once_per_bucket():
     """24 steps, sequences growing and joining/leaving, batch padded to power-of-two buckets."""
     traces = []

@@ -34,7 +34,9 @@ def kernels():
         ) from e
     missing = [n for n in ("paged_attention_decode", "paged_attention_chunk") if not hasattr(module, n)]
     if missing:
-        raise ImportError(f"pallas_kernels has no {', '.join(missing)}; use impl='xla'")
+        why = getattr(module, "TRITON_ERROR", None)
+        raise ImportError(f"pallas_kernels has no {', '.join(missing)}" + (f" ({why})" if why else "")
+                          + "; use impl='xla' (or 'mosaic_gpu' on Hopper)")
     return module
 
 

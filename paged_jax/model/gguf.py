@@ -409,25 +409,26 @@ class GGUFFile(ModelSource):
 
     def _llama3_scaling(self, hf: dict) -> dict:
         """llama3 RoPE scaling recognised from llama.cpp's ``rope_freqs`` tensor (per-pair
-        frequency divisors): Meta's parameters (low 1, high 4, original 8192) with the largest
-        divisor as ``factor``, accepted only if they reproduce the tensor."""
-        from paged_jax.model.config import RopeScaling
-
+        frequency divisors, written instead of metadata): Meta's low/high factors (1, 4), the
+        largest divisor as ``factor``, and the original context (the metadata's
+        ``rope.scaling.original_context_length``, else the power of two) that reproduces the
+        tensor; ValueError when none does."""
         freqs = self._dequantize("rope_freqs.weight").astype(np.float64).ravel()
-        d = hf["head_dim"]
-        params = dict(rope_type="llama3", factor=float(freqs.max()), low_freq_factor=1.0, high_freq_factor=4.0,
-                      original_max_position_embeddings=8192)
-        RopeScaling(**params)
-        inv = hf["rope_theta"] ** (-np.arange(0, d, 2, dtype=np.float64) / d)
-        wavelen = 2 * np.pi / inv
-        low_wl, high_wl = 8192 / params["low_freq_factor"], 8192 / params["high_freq_factor"]
-        smooth = (8192 / wavelen - params["low_freq_factor"]) / (params["high_freq_factor"] - params["low_freq_factor"])
-        scaled = np.where(wavelen > low_wl, inv / params["factor"],
-                          np.where(wavelen < high_wl, inv, (1 - smooth) * inv / params["factor"] + smooth * inv))
-        if freqs.shape != inv.shape or not np.allclose(inv / scaled, freqs, rtol=1e-3):
-            raise ValueError(f"{self.path}: rope_freqs does not match llama3 RoPE scaling with factor "
-                             f"{params['factor']}, low 1, high 4, original 8192: not supported")
-        return params
+        d, theta = hf["head_dim"], hf["rope_theta"]
+        inv = theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+        factor, low, high = float(freqs.max()), 1.0, 4.0
+        stated = self._arch("rope.scaling.original_context_length")
+        candidates = ([int(stated)] if stated else []) + [2**i for i in range(6, 21)]
+        for original in candidates:
+            wavelen = 2 * np.pi / inv
+            smooth = (original / wavelen - low) / (high - low)
+            divisor = np.where(wavelen < original / high, 1.0,
+                               np.where(wavelen > original / low, factor, 1 / ((1 - smooth) / factor + smooth)))
+            if freqs.shape == divisor.shape and np.allclose(divisor, freqs, rtol=1e-4):
+                return dict(rope_type="llama3", factor=factor, low_freq_factor=low, high_freq_factor=high,
+                            original_max_position_embeddings=original)
+        raise ValueError(f"{self.path}: rope_freqs does not match llama3 RoPE scaling (factor {factor}, low 1, "
+                         "high 4, any power-of-two original context): not supported")
 
     # ------------------------------------------------------------------ tensors
 

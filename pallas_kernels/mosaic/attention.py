@@ -283,10 +283,11 @@ def _kernel(*refs, plan: Plan, interpret: bool, scale: float, num_kv_heads: int,
                 plgpu.copy_gmem_to_smem(ks_ref.at[b, h, cols], sk_ring.at[slot], k_bar.at[slot])
                 plgpu.copy_gmem_to_smem(vs_ref.at[b, h, cols], sv_ring.at[slot], v_bar.at[slot])
 
-        for s in range(stages):  # the prologue: the first stages' copies in flight
-            @pl.when(s < count)
-            def _():
-                issue(first + s, s)
+        def prologue(s, carry):  # the first stages' copies in flight (one copy site, a loop)
+            issue(first + s, s)
+            return carry
+
+        lax.fori_loop(0, jnp.minimum(count, stages), prologue, 0)
 
         plgpu.barrier_wait(q_bar.at[0])
         rows_t = (iota((ROWS, bk), 0) + rb * ROWS) // group  # the query index of each row

@@ -229,7 +229,7 @@ def vllm_command(python: str, model: str, port: int, options: dict) -> list[str]
 def sweep(command: list[str], rates, requests, burstiness: float, slo: tuple[float, float],
           env: dict | None = None, start_timeout: float = 600, during=None) -> dict:
     """Start a server, warm it with four requests, run every rate; per rate the summary and
-    the raw per-request results; ``during(url)``, if given, runs after the rates (its result
+    the raw per-request results; ``during(url, pid)``, if given, runs after the rates (its result
     under "during")."""
     port = int(command[command.index("--port") + 1])
     url = f"http://127.0.0.1:{port}"
@@ -253,7 +253,7 @@ def sweep(command: list[str], rates, requests, burstiness: float, slo: tuple[flo
                   f"s/tok, ttft p50 {s.get('ttft_p50_s', 0):.3f} s, tpot p50 {s.get('tpot_p50_s', 0) * 1e3:.1f} ms, "
                   f"{s.get('output_tokens_per_s', 0):.0f} tok/s")
         if during is not None:
-            out["during"] = during(url)
+            out["during"] = during(url, proc.pid)
         return out
     finally:
         _stop(proc)
@@ -271,10 +271,26 @@ def engine_alone(model: str, options: dict, requests):
     return llm
 
 
-def paired_overhead(url: str, llm, requests, repeats: int) -> dict:
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds every thread of process ``pid`` has run (Linux ``/proc/PID/task/*/schedstat``,
+    nanoseconds), or None where that is not readable."""
+    total = 0
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return total / 1e9
+
+
+def paired_overhead(url: str, llm, requests, repeats: int, pid: int | None = None) -> dict:
     """Each request sent alone through the server, then run alone by ``LLM.generate`` here,
     back to back (so a shared machine's load drifts out of the difference), ``repeats``
-    times: the per-request server overhead is the median paired difference."""
+    times: the per-request server overhead is the median paired difference of wall time
+    ("p50") and, with the server's ``pid``, of CPU time (the server process's, all threads,
+    against this process's ``process_time`` around ``generate``): "cpu_ms_p50", which other
+    processes' load inflates much less than wall time."""
     import httpx
 
     from paged_jax import SamplingParams
@@ -284,19 +300,24 @@ def paired_overhead(url: str, llm, requests, repeats: int) -> dict:
         async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:  # one client: no per-request setup
             for _ in range(repeats):
                 for text, m in requests:
+                    c0 = process_cpu_s(pid) if pid else None
                     served = await _one(client, url, text, m, 0.0, time.perf_counter())
-                    start = time.perf_counter()
+                    c1 = process_cpu_s(pid) if pid else None
+                    start, p0 = time.perf_counter(), time.process_time()
                     llm.generate([text], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True), use_tqdm=False)
-                    alone = time.perf_counter() - start
+                    alone, cpu_alone = time.perf_counter() - start, time.process_time() - p0
                     if served["ok"]:
-                        pairs.append((served["e2e"], alone))
+                        cpu = None if c0 is None or c1 is None else (c1 - c0) - cpu_alone
+                        pairs.append((served["e2e"], alone, cpu))
         return pairs
 
     pairs = asyncio.run(pairs_of())
-    diff = [a - b for a, b in pairs]
+    diff = [a - b for a, b, _ in pairs]
+    cpu = [c for _, _, c in pairs if c is not None]
     return {"p50": 1e3 * float(np.median(diff)), "p90": 1e3 * float(np.percentile(diff, 90)),
-            "engine_e2e_ms_p50": 1e3 * float(np.median([b for _, b in pairs])),
-            "server_e2e_ms_p50": 1e3 * float(np.median([a for a, _ in pairs])),
+            "cpu_ms_p50": 1e3 * float(np.median(cpu)) if cpu else None,
+            "engine_e2e_ms_p50": 1e3 * float(np.median([b for _, b, _ in pairs])),
+            "server_e2e_ms_p50": 1e3 * float(np.median([a for a, _, _ in pairs])),
             "pairs": len(pairs), "per_request_ms": [1e3 * x for x in diff]}
 
 
@@ -337,10 +358,10 @@ def main(argv: list[str] | None = None) -> dict:
     baseline = engine_alone(args.model, options, requests)
     print("paged_jax server:")
     ours = sweep(ours_command(args.model, _free_port(), options), rates, requests, args.burstiness, slo,
-                 during=lambda url: paired_overhead(url, baseline, requests, 1 if quick else 3))
+                 during=lambda url, pid: paired_overhead(url, baseline, requests, 1 if quick else 3, pid))
     overhead_ms = ours.pop("during")
     print(f"  server overhead per request (alone, paired with LLM.generate): p50 {overhead_ms['p50']:.2f} ms, "
-          f"p90 {overhead_ms['p90']:.2f} ms (engine alone {overhead_ms['engine_e2e_ms_p50']:.1f} ms, through the "
+          f"p90 {overhead_ms['p90']:.2f} ms, CPU p50 {overhead_ms['cpu_ms_p50'] or float('nan'):.2f} ms (engine alone {overhead_ms['engine_e2e_ms_p50']:.1f} ms, through the "
           f"server {overhead_ms['server_e2e_ms_p50']:.1f} ms)")
 
     vllm_python, vllm_info = (None, "skipped (--skip-vllm)") if args.skip_vllm else vllm_status()
@@ -374,6 +395,7 @@ def main(argv: list[str] | None = None) -> dict:
         "vllm_sustained_rate": vllm_sustained,
         "latency_bound_s_per_token": args.latency_bound,
         "server_overhead_ms_p50": overhead_ms["p50"],
+        "server_cpu_overhead_ms_p50": overhead_ms["cpu_ms_p50"],
         "ttft_p50_s_at_rate_1": ours["1.0"]["summary"].get("ttft_p50_s"),
         "normalized_latency_s_at_max_rate": top.get("normalized_latency_mean_s"),
         "goodput_at_max_rate": top.get("goodput"),

@@ -192,6 +192,12 @@ def _stop(proc) -> None:
             proc.wait(timeout=30)
 
 
+def _shown(model: str) -> str:
+    """The model path as the JSON names it: relative to the repository when inside it."""
+    rel = os.path.relpath(model, ROOT)
+    return model.replace(os.path.expanduser("~"), "~") if rel.startswith("..") else rel
+
+
 def engine_options(quick: bool) -> dict:
     """The LLM options both the server and the engine-only baseline run with."""
     return dict(block_size=16, num_gpu_blocks=256 if quick else 1024, max_num_seqs=16 if quick else 64,
@@ -226,6 +232,23 @@ def vllm_command(python: str, model: str, port: int, options: dict) -> list[str]
             "--max-model-len", str(options["max_model_len"]), "--block-size", str(options["block_size"])]
 
 
+class ServerFailed(RuntimeError):
+    """A server that never became healthy; ``log`` is what it printed (``failure_log``)."""
+
+    def __init__(self, message: str, log: dict):
+        super().__init__(message)
+        self.log = log
+
+
+def failure_log(text: str, keep: int = 120) -> dict:
+    """A failed server's output for the JSON: its error lines (tracebacks' last lines, "Error"
+    and "Exception" lines, with the line before each) and its last ``keep`` lines, not just
+    the last few (a multi-process server's root cause is printed well before its last line)."""
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if any(w in line for w in ("Error", "error:", "Exception", "Traceback"))]
+    return {"lines": len(lines), "error_lines": list(dict.fromkeys(errors))[:60], "last_lines": lines[-keep:]}
+
+
 def sweep(command: list[str], rates, requests, burstiness: float, slo: tuple[float, float],
           env: dict | None = None, start_timeout: float = 600, during=None) -> dict:
     """Start a server, warm it with four requests, run every rate; per rate the summary and
@@ -240,8 +263,7 @@ def sweep(command: list[str], rates, requests, burstiness: float, slo: tuple[flo
             _wait_healthy(proc, url, start_timeout)
         except (RuntimeError, TimeoutError) as e:
             log.seek(0)
-            tail = [line for line in log.read().strip().splitlines() if line.strip()][-3:]
-            raise RuntimeError(f"{e}; its last output: {' | '.join(tail)}") from None
+            raise ServerFailed(str(e), failure_log(log.read())) from None
         asyncio.run(_run(url, requests[:4], np.zeros(4)))  # warm-up (compiles on first use)
         out = {}
         for rate in rates:
@@ -372,8 +394,10 @@ def main(argv: list[str] | None = None) -> dict:
             vllm = {"ran": True, "version": vllm_info,
                     "by_rate": sweep(vllm_command(vllm_python, args.model, _free_port(), options), rates, requests,
                                      args.burstiness, slo, env={"VLLM_CPU_KVCACHE_SPACE": "4"}, start_timeout=300)}
-        except RuntimeError as e:
-            vllm = {"ran": False, "reason": f"vLLM {vllm_info} did not serve {os.path.relpath(args.model, ROOT)}: {e}"}
+        except ServerFailed as e:
+            first = next((line for line in e.log["error_lines"] if "Error" in line), "")
+            vllm = {"ran": False, "reason": f"vLLM {vllm_info} did not serve {_shown(args.model)}: {e}"
+                                            + (f"; first error: {first}" if first else ""), "log": e.log}
     print(f"vLLM: {vllm['reason']}" if not vllm["ran"] else "vLLM: ran")
 
     ours_sustained = sustained(ours, args.latency_bound)
@@ -406,7 +430,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "study": "serving",
         "machine": machine_info(),
-        "config": {"model": os.path.relpath(args.model, ROOT), "quick": quick, "num_prompts": num, "rates": rates,
+        "config": {"model": _shown(args.model), "quick": quick, "num_prompts": num, "rates": rates,
                    "burstiness": args.burstiness, "slo_ttft_s": slo[0], "slo_tpot_s": slo[1],
                    "engine_options": options,
                    "output_tokens": [m for _, m in requests], "client": "asyncio + httpx streaming /v1/completions"},

@@ -199,8 +199,9 @@ def _shown(model: str) -> str:
 
 
 def engine_options(quick: bool) -> dict:
-    """The LLM options both the server and the engine-only baseline run with."""
-    return dict(block_size=16, num_gpu_blocks=256 if quick else 1024, max_num_seqs=16 if quick else 64,
+    """The LLM options both servers and the engine-only baseline run with (block size 32:
+    vLLM's CPU attention takes multiples of 32 only)."""
+    return dict(block_size=32, num_gpu_blocks=128 if quick else 512, max_num_seqs=16 if quick else 64,
                 max_model_len=256, dtype="float32", enable_prefix_caching=False)
 
 

@@ -192,9 +192,16 @@ def _stop(proc) -> None:
             proc.wait(timeout=30)
 
 
+def _shown(model: str) -> str:
+    """The model path as the JSON names it: relative to the repository when inside it."""
+    rel = os.path.relpath(model, ROOT)
+    return model.replace(os.path.expanduser("~"), "~") if rel.startswith("..") else rel
+
+
 def engine_options(quick: bool) -> dict:
-    """The LLM options both the server and the engine-only baseline run with."""
-    return dict(block_size=16, num_gpu_blocks=256 if quick else 1024, max_num_seqs=16 if quick else 64,
+    """The LLM options both servers and the engine-only baseline run with (block size 32:
+    vLLM's CPU attention takes multiples of 32 only)."""
+    return dict(block_size=32, num_gpu_blocks=128 if quick else 512, max_num_seqs=16 if quick else 64,
                 max_model_len=256, dtype="float32", enable_prefix_caching=False)
 
 
@@ -226,10 +233,27 @@ def vllm_command(python: str, model: str, port: int, options: dict) -> list[str]
             "--max-model-len", str(options["max_model_len"]), "--block-size", str(options["block_size"])]
 
 
+class ServerFailed(RuntimeError):
+    """A server that never became healthy; ``log`` is what it printed (``failure_log``)."""
+
+    def __init__(self, message: str, log: dict):
+        super().__init__(message)
+        self.log = log
+
+
+def failure_log(text: str, keep: int = 120) -> dict:
+    """A failed server's output for the JSON: its error lines (tracebacks' last lines, "Error"
+    and "Exception" lines, with the line before each) and its last ``keep`` lines, not just
+    the last few (a multi-process server's root cause is printed well before its last line)."""
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if any(w in line for w in ("Error", "error:", "Exception", "Traceback"))]
+    return {"lines": len(lines), "error_lines": list(dict.fromkeys(errors))[:60], "last_lines": lines[-keep:]}
+
+
 def sweep(command: list[str], rates, requests, burstiness: float, slo: tuple[float, float],
           env: dict | None = None, start_timeout: float = 600, during=None) -> dict:
     """Start a server, warm it with four requests, run every rate; per rate the summary and
-    the raw per-request results; ``during(url)``, if given, runs after the rates (its result
+    the raw per-request results; ``during(url, pid)``, if given, runs after the rates (its result
     under "during")."""
     port = int(command[command.index("--port") + 1])
     url = f"http://127.0.0.1:{port}"
@@ -240,8 +264,7 @@ def sweep(command: list[str], rates, requests, burstiness: float, slo: tuple[flo
             _wait_healthy(proc, url, start_timeout)
         except (RuntimeError, TimeoutError) as e:
             log.seek(0)
-            tail = [line for line in log.read().strip().splitlines() if line.strip()][-3:]
-            raise RuntimeError(f"{e}; its last output: {' | '.join(tail)}") from None
+            raise ServerFailed(str(e), failure_log(log.read())) from None
         asyncio.run(_run(url, requests[:4], np.zeros(4)))  # warm-up (compiles on first use)
         out = {}
         for rate in rates:
@@ -253,7 +276,7 @@ def sweep(command: list[str], rates, requests, burstiness: float, slo: tuple[flo
                   f"s/tok, ttft p50 {s.get('ttft_p50_s', 0):.3f} s, tpot p50 {s.get('tpot_p50_s', 0) * 1e3:.1f} ms, "
                   f"{s.get('output_tokens_per_s', 0):.0f} tok/s")
         if during is not None:
-            out["during"] = during(url)
+            out["during"] = during(url, proc.pid)
         return out
     finally:
         _stop(proc)
@@ -271,10 +294,26 @@ def engine_alone(model: str, options: dict, requests):
     return llm
 
 
-def paired_overhead(url: str, llm, requests, repeats: int) -> dict:
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds every thread of process ``pid`` has run (Linux ``/proc/PID/task/*/schedstat``,
+    nanoseconds), or None where that is not readable."""
+    total = 0
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return total / 1e9
+
+
+def paired_overhead(url: str, llm, requests, repeats: int, pid: int | None = None) -> dict:
     """Each request sent alone through the server, then run alone by ``LLM.generate`` here,
     back to back (so a shared machine's load drifts out of the difference), ``repeats``
-    times: the per-request server overhead is the median paired difference."""
+    times: the per-request server overhead is the median paired difference of wall time
+    ("p50") and, with the server's ``pid``, of CPU time (the server process's, all threads,
+    against this process's ``process_time`` around ``generate``): "cpu_ms_p50", which other
+    processes' load inflates much less than wall time."""
     import httpx
 
     from paged_jax import SamplingParams
@@ -284,19 +323,24 @@ def paired_overhead(url: str, llm, requests, repeats: int) -> dict:
         async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:  # one client: no per-request setup
             for _ in range(repeats):
                 for text, m in requests:
+                    c0 = process_cpu_s(pid) if pid else None
                     served = await _one(client, url, text, m, 0.0, time.perf_counter())
-                    start = time.perf_counter()
+                    c1 = process_cpu_s(pid) if pid else None
+                    start, p0 = time.perf_counter(), time.process_time()
                     llm.generate([text], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True), use_tqdm=False)
-                    alone = time.perf_counter() - start
+                    alone, cpu_alone = time.perf_counter() - start, time.process_time() - p0
                     if served["ok"]:
-                        pairs.append((served["e2e"], alone))
+                        cpu = None if c0 is None or c1 is None else (c1 - c0) - cpu_alone
+                        pairs.append((served["e2e"], alone, cpu))
         return pairs
 
     pairs = asyncio.run(pairs_of())
-    diff = [a - b for a, b in pairs]
+    diff = [a - b for a, b, _ in pairs]
+    cpu = [c for _, _, c in pairs if c is not None]
     return {"p50": 1e3 * float(np.median(diff)), "p90": 1e3 * float(np.percentile(diff, 90)),
-            "engine_e2e_ms_p50": 1e3 * float(np.median([b for _, b in pairs])),
-            "server_e2e_ms_p50": 1e3 * float(np.median([a for a, _ in pairs])),
+            "cpu_ms_p50": 1e3 * float(np.median(cpu)) if cpu else None,
+            "engine_e2e_ms_p50": 1e3 * float(np.median([b for _, b, _ in pairs])),
+            "server_e2e_ms_p50": 1e3 * float(np.median([a for a, _, _ in pairs])),
             "pairs": len(pairs), "per_request_ms": [1e3 * x for x in diff]}
 
 
@@ -337,10 +381,10 @@ def main(argv: list[str] | None = None) -> dict:
     baseline = engine_alone(args.model, options, requests)
     print("paged_jax server:")
     ours = sweep(ours_command(args.model, _free_port(), options), rates, requests, args.burstiness, slo,
-                 during=lambda url: paired_overhead(url, baseline, requests, 1 if quick else 3))
+                 during=lambda url, pid: paired_overhead(url, baseline, requests, 1 if quick else 3, pid))
     overhead_ms = ours.pop("during")
     print(f"  server overhead per request (alone, paired with LLM.generate): p50 {overhead_ms['p50']:.2f} ms, "
-          f"p90 {overhead_ms['p90']:.2f} ms (engine alone {overhead_ms['engine_e2e_ms_p50']:.1f} ms, through the "
+          f"p90 {overhead_ms['p90']:.2f} ms, CPU p50 {overhead_ms['cpu_ms_p50'] or float('nan'):.2f} ms (engine alone {overhead_ms['engine_e2e_ms_p50']:.1f} ms, through the "
           f"server {overhead_ms['server_e2e_ms_p50']:.1f} ms)")
 
     vllm_python, vllm_info = (None, "skipped (--skip-vllm)") if args.skip_vllm else vllm_status()
@@ -351,8 +395,10 @@ def main(argv: list[str] | None = None) -> dict:
             vllm = {"ran": True, "version": vllm_info,
                     "by_rate": sweep(vllm_command(vllm_python, args.model, _free_port(), options), rates, requests,
                                      args.burstiness, slo, env={"VLLM_CPU_KVCACHE_SPACE": "4"}, start_timeout=300)}
-        except RuntimeError as e:
-            vllm = {"ran": False, "reason": f"vLLM {vllm_info} did not serve {os.path.relpath(args.model, ROOT)}: {e}"}
+        except ServerFailed as e:
+            first = next((line for line in e.log["error_lines"] if "Error" in line), "")
+            vllm = {"ran": False, "reason": f"vLLM {vllm_info} did not serve {_shown(args.model)}: {e}"
+                                            + (f"; first error: {first}" if first else ""), "log": e.log}
     print(f"vLLM: {vllm['reason']}" if not vllm["ran"] else "vLLM: ran")
 
     ours_sustained = sustained(ours, args.latency_bound)
@@ -374,6 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
         "vllm_sustained_rate": vllm_sustained,
         "latency_bound_s_per_token": args.latency_bound,
         "server_overhead_ms_p50": overhead_ms["p50"],
+        "server_cpu_overhead_ms_p50": overhead_ms["cpu_ms_p50"],
         "ttft_p50_s_at_rate_1": ours["1.0"]["summary"].get("ttft_p50_s"),
         "normalized_latency_s_at_max_rate": top.get("normalized_latency_mean_s"),
         "goodput_at_max_rate": top.get("goodput"),
@@ -384,7 +431,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "study": "serving",
         "machine": machine_info(),
-        "config": {"model": os.path.relpath(args.model, ROOT), "quick": quick, "num_prompts": num, "rates": rates,
+        "config": {"model": _shown(args.model), "quick": quick, "num_prompts": num, "rates": rates,
                    "burstiness": args.burstiness, "slo_ttft_s": slo[0], "slo_tpot_s": slo[1],
                    "engine_options": options,
                    "output_tokens": [m for _, m in requests], "client": "asyncio + httpx streaming /v1/completions"},

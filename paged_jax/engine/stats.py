@@ -14,7 +14,10 @@ Each step's wall time is also split into phases (``phase_seconds``): ``schedule`
 decisions: the plan), ``run`` (the runner executing it: building the padded arrays,
 enqueueing the jitted calls and waiting for the step's one device fetch, i.e. the
 compute) and ``update`` (appending tokens, finishing sequences). ``timeline`` keeps one
-``StepRecord`` per step for plots.
+``StepRecord`` per step for plots: the last ``timeline_limit`` steps (a ring buffer, so a
+long-running server's memory stays bounded; the summary's figures are running aggregates
+and stay exact over every step). ``request_blocks`` likewise keeps the last
+``request_limit`` requests.
 
 Saturation: an offline run has two phases. While requests still wait for admission
 (waiting or swapped out), the engine runs at its capacity, which is what a serving
@@ -32,8 +35,12 @@ decode step of its own).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import NamedTuple
+
+TIMELINE_LIMIT = 100_000  # steps kept in EngineStats.timeline (~10 MB of rows)
+REQUEST_LIMIT = 100_000  # requests kept in EngineStats.request_blocks
 
 
 class StepRecord(NamedTuple):
@@ -96,8 +103,21 @@ class EngineStats:
     allocated_blocks_sum: int = 0
     request_blocks: dict = dataclasses.field(default_factory=dict)  # request id -> (peak physical, peak unshared)
     phase_seconds: dict = dataclasses.field(default_factory=dict)
-    timeline: list[StepRecord] = dataclasses.field(default_factory=list)
+    timeline_limit: int = TIMELINE_LIMIT
+    request_limit: int = REQUEST_LIMIT
+    timeline: collections.deque = dataclasses.field(default=None)  # of StepRecord, the last timeline_limit
     spec: SpecCounters = dataclasses.field(default_factory=SpecCounters)
+    # Running totals for the saturated/drain split: the totals as of the last step that
+    # ended with a request waiting (steps, seconds, compile seconds, generated, batch sum).
+    compile_seconds: float = 0.0
+    _saturated: tuple = (0, 0.0, 0.0, 0, 0)
+
+    def __post_init__(self):
+        for name in ("timeline_limit", "request_limit"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r}: must be an int >= 1")
+        self.timeline = collections.deque(self.timeline or (), maxlen=self.timeline_limit)
 
     def record_step(
         self,
@@ -133,7 +153,11 @@ class EngineStats:
         self.unshared_blocks_sum += unshared
         self.allocated_blocks_sum += allocated_blocks
         for rid, (physical, private) in (request_blocks or {}).items():
-            peak = self.request_blocks.get(rid, (0, 0))
+            peak = self.request_blocks.get(rid)
+            if peak is None:
+                if len(self.request_blocks) >= self.request_limit:  # forget the oldest request
+                    del self.request_blocks[next(iter(self.request_blocks))]
+                peak = (0, 0)
             self.request_blocks[rid] = (max(peak[0], physical), max(peak[1], private))
         for name, sec in (phases or {}).items():
             self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + sec
@@ -141,6 +165,10 @@ class EngineStats:
             StepRecord(self.step_seconds, batch, tokens_held, charged_blocks, generated, waiting, compile_seconds,
                        unshared, prefilled, speculated)
         )
+        self.compile_seconds += compile_seconds
+        if waiting > 0:
+            self._saturated = (self.steps, self.step_seconds, self.compile_seconds, self.generated_tokens,
+                               self.batch_sum)
         if charged_blocks:
             self.util_sum += tokens_held / (charged_blocks * self.block_size)
             self.util_steps += 1
@@ -170,21 +198,19 @@ class EngineStats:
         }
 
     def _phases(self) -> dict:
-        """Saturated vs drain split (module docstring)."""
-        last = max((i for i, row in enumerate(self.timeline) if row.waiting > 0), default=-1)
-        split = self.timeline[last].end_seconds if last >= 0 else 0.0
+        """Saturated vs drain split (module docstring), from the running totals."""
+        sat = self._saturated
+        total = (self.steps, self.step_seconds, self.compile_seconds, self.generated_tokens, self.batch_sum)
         out = {}
-        for name, rows, wall in (
-            ("saturated", self.timeline[: last + 1], split),
-            ("drain", self.timeline[last + 1:], self.step_seconds - split),
+        for name, (steps, wall, compiled, generated, batch) in (
+            ("saturated", sat), ("drain", tuple(t - s for t, s in zip(total, sat))),
         ):
-            steady = wall - sum(row.compile_seconds for row in rows)
-            generated = sum(row.generated for row in rows)
-            out[f"{name}_steps"] = len(rows)
+            steady = wall - compiled
+            out[f"{name}_steps"] = steps
             out[f"{name}_seconds"] = wall
             out[f"{name}_generated_tokens"] = generated
             out[f"{name}_tokens_per_s"] = generated / steady if steady > 0 else 0.0
-            out[f"{name}_mean_running_batch"] = sum(row.batch for row in rows) / len(rows) if rows else 0.0
+            out[f"{name}_mean_running_batch"] = batch / steps if steps else 0.0
         return out
 
 

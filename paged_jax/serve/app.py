@@ -235,7 +235,7 @@ def build_app(llm, *, model_name: str | None = None, api_key: str | None = None,
 
         async def events():
             sent: dict[int, list[int]] = {}  # choice index -> [chars sent, tokens sent, finished]
-            completion_tokens = 0
+            completion_tokens, tail = 0, ""
             try:
                 async for i, out in merged(streams):
                     choices = []
@@ -260,13 +260,15 @@ def build_app(llm, *, model_name: str | None = None, api_key: str | None = None,
                         state[0], state[1], state[2] = max(len(c.text), state[0]), len(c.token_ids), int(done)
                         if done:
                             completion_tokens += len(c.token_ids)
-                    if choices:
+                    if choices and out.finished and len(streams) == 1:
+                        tail = sse(chunk(choices))  # the last one: sent with the usage and [DONE], one write
+                    elif choices:
                         yield sse(chunk(choices))
                 if req.stream_options is not None and req.stream_options.include_usage:
-                    yield sse(chunk([], P.usage(sum(len(p[0]) for p in plan), completion_tokens)))
+                    tail += sse(chunk([], P.usage(sum(len(p[0]) for p in plan), completion_tokens)))
             except EngineError as e:
-                yield sse(P.ApiError(500, str(e)).body())
-            yield "data: [DONE]\n\n"
+                tail += sse(P.ApiError(500, str(e)).body())
+            yield tail + "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -323,7 +325,7 @@ def build_app(llm, *, model_name: str | None = None, api_key: str | None = None,
             yield sse(chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None} for j in range(n)]))
             sent = [[0, 0, 0] for _ in range(n)]
-            completion_tokens = 0
+            completion_tokens, tail = 0, ""
             try:
                 async for _, out in merged([stream]):
                     choices = []
@@ -345,13 +347,15 @@ def build_app(llm, *, model_name: str | None = None, api_key: str | None = None,
                         state[0], state[1], state[2] = max(len(c.text), state[0]), len(c.token_ids), int(done)
                         if done:
                             completion_tokens += len(c.token_ids)
-                    if choices:
+                    if choices and out.finished:
+                        tail = sse(chunk(choices))  # the last one: sent with the usage and [DONE], one write
+                    elif choices:
                         yield sse(chunk(choices))
                 if include_usage:
-                    yield sse(chunk([], P.usage(len(ids), completion_tokens)))
+                    tail += sse(chunk([], P.usage(len(ids), completion_tokens)))
             except EngineError as e:
-                yield sse(P.ApiError(500, str(e)).body())
-            yield "data: [DONE]\n\n"
+                tail += sse(P.ApiError(500, str(e)).body())
+            yield tail + "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
 

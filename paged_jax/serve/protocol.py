@@ -11,6 +11,7 @@ Log-probabilities that are -inf are reported as -9999.0 (JSON has no infinity; v
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from typing import Any
@@ -200,8 +201,15 @@ def chat_messages(messages: list[dict]) -> list[dict]:
 # ---------------------------------------------------------------------------- engine -> responses
 
 
+_ID_PREFIX = uuid.uuid4().hex[:12]  # random per process, drawn once
+_ID_COUNTER = itertools.count()
+
+
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+    """A response id unique to this server (a random per-process prefix and a counter):
+    no ``os.urandom`` system call per request, which releases the GIL and can wait up to
+    the switch interval to get it back while the engine thread steps."""
+    return f"{prefix}-{_ID_PREFIX}{next(_ID_COUNTER):012x}"
 
 
 def now() -> int:

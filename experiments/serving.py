@@ -366,6 +366,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--slo-ttft", type=float, default=0.5, help="goodput SLO on TTFT, s")
     p.add_argument("--slo-tpot", type=float, default=0.05, help="goodput SLO on TPOT, s")
     p.add_argument("--skip-vllm", action="store_true")
+    p.add_argument("--overhead-repeats", type=int, default=None,
+                   help="passes over the prompts for the paired overhead (default 1 quick, else 3)")
     args = p.parse_args(argv)
     quick = args.quick
     rates = args.request_rate or ([1.0, 8.0] if quick else [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0])
@@ -381,7 +383,7 @@ def main(argv: list[str] | None = None) -> dict:
     baseline = engine_alone(args.model, options, requests)
     print("paged_jax server:")
     ours = sweep(ours_command(args.model, _free_port(), options), rates, requests, args.burstiness, slo,
-                 during=lambda url, pid: paired_overhead(url, baseline, requests, 1 if quick else 3, pid))
+                 during=lambda url, pid: paired_overhead(url, baseline, requests, args.overhead_repeats or (1 if quick else 3), pid))
     overhead_ms = ours.pop("during")
     print(f"  server overhead per request (alone, paired with LLM.generate): p50 {overhead_ms['p50']:.2f} ms, "
           f"p90 {overhead_ms['p90']:.2f} ms, CPU p50 {overhead_ms['cpu_ms_p50'] or float('nan'):.2f} ms (engine alone {overhead_ms['engine_e2e_ms_p50']:.1f} ms, through the "

@@ -159,3 +159,16 @@ def check(q, pages, block_tables, lengths, q_lens, layer) -> Shapes:
 def default_scale(head_dim: int, scale: float | None) -> float:
     """``scale``, or ``head_dim ** -0.5`` when None."""
     return head_dim**-0.5 if scale is None else scale
+
+
+def kernel_tiling_problem(limits, *, head_dim: int, block_size: int, num_heads: int,
+                          num_kv_heads: int) -> str | None:
+    """Why a kernel family cannot tile this shape, or None. ``limits`` is the module holding its
+    ``SUPPORTED_HEAD_DIMS``, ``SUPPORTED_BLOCK_SIZES`` and ``MAX_GROUP`` (query heads per kv head)."""
+    if head_dim not in limits.SUPPORTED_HEAD_DIMS:
+        return f"head_dim={head_dim} is not supported (one of {limits.SUPPORTED_HEAD_DIMS})"
+    if block_size not in limits.SUPPORTED_BLOCK_SIZES:
+        return f"block_size={block_size} is not supported (one of {limits.SUPPORTED_BLOCK_SIZES})"
+    if num_heads // num_kv_heads > limits.MAX_GROUP:
+        return f"{num_heads // num_kv_heads} query heads per kv head is more than the kernel's {limits.MAX_GROUP}"
+    return None

@@ -111,13 +111,8 @@ def _pallas_missing() -> str | None:
 def _pallas_tiling(*, head_dim: int, block_size: int, num_heads: int, num_kv_heads: int) -> str | None:
     from pallas_kernels import common
 
-    if head_dim not in common.SUPPORTED_HEAD_DIMS:
-        return f"head_dim={head_dim} is not supported (one of {common.SUPPORTED_HEAD_DIMS})"
-    if block_size not in common.SUPPORTED_BLOCK_SIZES:
-        return f"block_size={block_size} is not supported (one of {common.SUPPORTED_BLOCK_SIZES})"
-    if num_heads // num_kv_heads > common.MAX_GROUP:
-        return f"{num_heads // num_kv_heads} query heads per kv head is more than the kernels' {common.MAX_GROUP}"
-    return None
+    return contract.kernel_tiling_problem(common, head_dim=head_dim, block_size=block_size,
+                                          num_heads=num_heads, num_kv_heads=num_kv_heads)
 
 
 IMPLS: dict[str, AttentionImpl] = {}

@@ -42,13 +42,8 @@ def missing() -> str | None:
 def tiling_problem(*, head_dim: int, block_size: int, num_heads: int, num_kv_heads: int) -> str | None:
     from pallas_kernels.mosaic import attention
 
-    if head_dim not in attention.SUPPORTED_HEAD_DIMS:
-        return f"head_dim={head_dim} is not supported (one of {attention.SUPPORTED_HEAD_DIMS})"
-    if block_size not in attention.SUPPORTED_BLOCK_SIZES:
-        return f"block_size={block_size} is not supported (one of {attention.SUPPORTED_BLOCK_SIZES})"
-    if num_heads // num_kv_heads > attention.MAX_GROUP:
-        return f"{num_heads // num_kv_heads} query heads per kv head is more than one {attention.ROWS}-row tile"
-    return None
+    return contract.kernel_tiling_problem(attention, head_dim=head_dim, block_size=block_size,
+                                          num_heads=num_heads, num_kv_heads=num_kv_heads)
 
 
 def paged_attention(

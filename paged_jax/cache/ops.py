@@ -56,9 +56,6 @@ _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 # --------------------------------------------------------------------------- debug checks
 
 
-_STATIC_KWARGS = ("max_tokens", "max_local")
-
-
 def _concrete_int32(args) -> bool:
     """Every array argument is a concrete int32 ``jax.Array`` (None allowed): what a
     jitted op reads exactly as the op-by-op one does. Anything else (NumPy, lists, other
@@ -72,7 +69,8 @@ def _eager_jit(op):
     """Called outside jit with concrete int32 arrays, ``op`` runs as one compiled program
     (cached per shape) instead of dispatching each primitive: a notebook or test calling
     the ops one at a time runs ~10x faster. Traced calls and other arguments are unchanged."""
-    static = tuple(n for n in inspect.signature(op).parameters if n in _STATIC_KWARGS)
+    # An op's keyword-only parameters (max_tokens, max_local) are its static sizes.
+    static = tuple(n for n, p in inspect.signature(op).parameters.items() if p.kind is p.KEYWORD_ONLY)
     jitted = jax.jit(op, static_argnames=static)
 
     @functools.wraps(op)

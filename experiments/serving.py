@@ -350,19 +350,35 @@ def paired_overhead(url: str, llm, requests, repeats: int, pid: int | None = Non
                     alone, cpu_alone = time.perf_counter() - start, time.process_time() - p0
                     if served["ok"]:
                         cpu = None if c0 is None or c1 is None else (c1 - c0) - cpu_alone
-                        pairs.append((served["e2e"], alone, cpu))
+                        pairs.append((served["e2e"], alone, cpu, m))
         return pairs
 
     pairs = asyncio.run(pairs_of())
-    diff = [a - b for a, b, _ in pairs]
-    cpu = [c for _, _, c in pairs if c is not None]
+    diff = [a - b for a, b, _, _ in pairs]
+    cpu = [c for _, _, c, _ in pairs if c is not None]
+    split = overhead_split([m for *_, m in pairs], diff)
     return {"p50": 1e3 * float(np.median(diff)), "p90": 1e3 * float(np.percentile(diff, 90)),
             "p10": 1e3 * float(np.percentile(diff, 10)),
             "iqr": [1e3 * float(np.percentile(diff, 25)), 1e3 * float(np.percentile(diff, 75))],
             "cpu_ms_p50": 1e3 * float(np.median(cpu)) if cpu else None,
-            "engine_e2e_ms_p50": 1e3 * float(np.median([b for _, b, _ in pairs])),
-            "server_e2e_ms_p50": 1e3 * float(np.median([a for a, _, _ in pairs])),
-            "pairs": len(pairs), "per_request_ms": [1e3 * x for x in diff]}
+            "engine_e2e_ms_p50": 1e3 * float(np.median([b for _, b, _, _ in pairs])),
+            "server_e2e_ms_p50": 1e3 * float(np.median([a for a, _, _, _ in pairs])),
+            **split, "pairs": len(pairs), "per_request_ms": [1e3 * x for x in diff]}
+
+
+def overhead_split(tokens: list[int], diff_s: list[float]) -> dict:
+    """Where the server's time goes: a robust line through (output tokens, overhead) pairs,
+    ``fixed_ms`` per request (HTTP request, parsing, tokenising, the add) plus
+    ``per_token_ms`` per streamed token (the engine-to-loop hand-over, one SSE chunk, the
+    client reading it). Theil-Sen (the median of pairwise slopes), so a few pairs a busy
+    machine delayed do not tilt it; None where the lengths do not vary."""
+    t, d = np.asarray(tokens, float), 1e3 * np.asarray(diff_s, float)
+    i, j = np.triu_indices(len(t), 1)
+    keep = t[j] != t[i]
+    if not keep.any():
+        return {"fixed_ms": None, "per_token_ms": None}
+    slope = float(np.median((d[j] - d[i])[keep] / (t[j] - t[i])[keep]))
+    return {"fixed_ms": float(np.median(d - slope * t)), "per_token_ms": slope}
 
 
 def sustained(by_rate: dict, bound: float) -> float | None:
@@ -545,7 +561,8 @@ def main(argv: list[str] | None = None) -> dict:
         overhead_ms = oh.pop("during")
         load["overhead"] = oh.pop("loadavg")
     print(f"  server overhead per request (alone, paired with LLM.generate): p50 {overhead_ms['p50']:.2f} ms, "
-          f"p90 {overhead_ms['p90']:.2f} ms, CPU p50 {overhead_ms['cpu_ms_p50'] or float('nan'):.2f} ms (engine alone {overhead_ms['engine_e2e_ms_p50']:.1f} ms, through the "
+          f"p90 {overhead_ms['p90']:.2f} ms (fixed {overhead_ms['fixed_ms'] or float('nan'):.2f} ms + "
+          f"{overhead_ms['per_token_ms'] or float('nan'):.3f} ms per token), CPU p50 {overhead_ms['cpu_ms_p50'] or float('nan'):.2f} ms (engine alone {overhead_ms['engine_e2e_ms_p50']:.1f} ms, through the "
           f"server {overhead_ms['server_e2e_ms_p50']:.1f} ms)")
 
     vllm = {"ran": False, "reason": vllm_info}
@@ -599,6 +616,8 @@ def main(argv: list[str] | None = None) -> dict:
         "server_overhead_ms_p50": overhead_ms["p50"],
         "server_overhead_ms_iqr": overhead_ms["iqr"],
         "server_cpu_overhead_ms_p50": overhead_ms["cpu_ms_p50"],
+        "server_overhead_fixed_ms": overhead_ms["fixed_ms"],
+        "server_overhead_per_token_ms": overhead_ms["per_token_ms"],
         "ttft_p50_s_at_rate_1": ours["1.0"]["summary"].get("ttft_p50_s"),
         "normalized_latency_s_at_max_rate": top.get("normalized_latency_mean_s"),
         "goodput_at_max_rate": top.get("goodput"),

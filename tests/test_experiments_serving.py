@@ -31,6 +31,15 @@ def test_summary_figures():
     assert s["output_tokens_per_s"] == 20 and s["normalized_latency_mean_s"] == pytest.approx(0.1)
 
 
+def test_overhead_split_recovers_fixed_and_per_token_costs():
+    tokens = [8, 16, 24, 32, 40, 8, 16]
+    diff = [(2.0 + 0.25 * t) / 1e3 for t in tokens]
+    diff[3] += 0.05  # one pair a busy machine delayed by 50 ms
+    got = serving.overhead_split(tokens, diff)
+    assert got["fixed_ms"] == pytest.approx(2.0) and got["per_token_ms"] == pytest.approx(0.25)
+    assert serving.overhead_split([8, 8], [0.001, 0.002]) == {"fixed_ms": None, "per_token_ms": None}
+
+
 def _saved(ratio):
     h = {"sustained_rate_ratio_vs_vllm": ratio, "sustained_rate": 2.0, "vllm_sustained_rate": 2.0 / ratio if ratio
          else None, "latency_bound_s_per_token": 0.2, "sustained_rate_ratio_reason": None if ratio else "skipped"}

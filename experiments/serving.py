@@ -608,6 +608,9 @@ def main(argv: list[str] | None = None) -> dict:
             vllm["reason"] if not vllm["ran"] else "a server sustained none of the rates under the bound"),
         "sustained_rate": ours_interp,
         "vllm_sustained_rate": vllm_interp,
+        # under the bound at the highest swept rate: the sustained rate is at least max_rate
+        "sustained_rate_censored": ours_interp == max(rates),
+        "vllm_sustained_rate_censored": vllm_interp == max(rates) if vllm["ran"] else None,
         "sustained_rate_ratio_vs_vllm_grid": grid_ratio,
         "sustained_rate_grid": ours_sustained,
         "vllm_sustained_rate_grid": vllm_sustained,

@@ -45,10 +45,11 @@ README_BEGIN, README_END = "<!-- claims:begin -->", "<!-- claims:end -->"
 
 
 def study_order() -> list[str]:
-    """Studies in the order ``python -m experiments`` lists them, then any others."""
-    from experiments.__main__ import STUDIES
+    """Studies in the order ``python -m experiments`` lists them, then the peer studies
+    (run alone: side venvs, minutes of a real model)."""
+    from experiments.__main__ import PEER_STUDIES, STUDIES
 
-    return list(STUDIES)
+    return list(STUDIES) + list(PEER_STUDIES)
 
 
 def load_results(out_dir: str) -> dict[str, dict]:

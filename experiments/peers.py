@@ -207,12 +207,11 @@ def headline_of(table: dict, dtypes: list[str]) -> dict:
             head[f"{peer}_{s}_tokens_per_s"] = None if row is None else row["tokens_per_s"]
         # start-up: load + first call (compiles / warm-up included), ours over vLLM's
         vllm = table.get(("vllm", dtype))
-        for which, key in (("cold", "first_call_s"), ("warm", "first_call_warm_s")):
-            ok = (ours is not None and vllm is not None and ours.get(key) is not None
-                  and (which == "warm" or ours.get("compilation_cache") == "cold"))
-            load = ours.get("load_warm_s" if which == "warm" else "load_s") if ok else None
+        cold = ours is not None and ours.get("compilation_cache") == "cold"
+        for which, load, first in (("cold", "load_s", "first_call_s"), ("warm", "load_warm_s", "first_call_warm_s")):
+            ok = cold and vllm is not None and ours.get(first) is not None
             head[f"{s}_startup_{which}_cache_ratio_vs_vllm"] = (
-                (load + ours[key]) / (vllm["load_s"] + vllm["first_call_s"]) if ok and load is not None else None)
+                (ours[load] + ours[first]) / (vllm["load_s"] + vllm["first_call_s"]) if ok else None)
     return head
 
 
@@ -258,6 +257,8 @@ def main(argv=None) -> dict:
                                     args.timeout, cache_env)
                     summary["first_call_warm_s"] = warm.get("first_call_s")
                     summary["load_warm_s"] = warm.get("load_s")
+                    if "skipped" in warm:
+                        skipped[f"{peer}/{dtype} warm start"] = warm["skipped"]
                 table[(peer, dtype)] = summary
                 tokens[(peer, dtype)] = result["tokens"]
                 rows.append({"engine": peer, "dtype": dtype, **summary})

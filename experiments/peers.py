@@ -13,14 +13,18 @@ workload once (``first_call_s``, compilation included) and again timed: tokens/s
 tokens / wall time of the pass), TTFT (first token, from the pass's start: every request
 arrives at once) and TPOT ((finish - first token) / (tokens - 1)) p50/p99, the peak resident
 memory of its process tree, and the share of prompts whose greedy tokens are identical to
-each other peer's at the same dtype. Per ``--dtypes`` (float32, bfloat16).
+each other peer's at the same dtype. Per ``--dtypes`` (float32, bfloat16). paged_jax runs on an
+empty persistent compilation cache (``first_call_s`` is a cold start), then once more in a new
+process on the cache that run wrote (``first_call_warm_s``); ``--paged-jax-cache as-is`` uses
+the user's cache instead.
 
 The default checkpoint is SmolLM2-135M-Instruct dequantised to safetensors
 (``scripts/gguf_to_hf.py`` in the fixtures venv writes ``~/.cache/paged_jax/models/
 SmolLM2-135M-Instruct``). Headline: ``{fp32,bf16}_tokens_per_s_ratio_vs_{vllm,transformers}``
 (paged_jax / peer; ``..._per_cpu_s_...``: per CPU second of each engine's process tree, the
 figure other jobs on a shared machine disturb least), ``greedy_identical_share_vs_{vllm,
-transformers}`` (fp32), and each engine's tokens/s. Writes DIR/peers.json.
+transformers}`` (fp32), each engine's tokens/s, and ``{fp32,bf16}_startup_{cold,warm}_cache_ratio_vs_vllm``
+(paged_jax's load + first call over vLLM's). Writes DIR/peers.json.
 """
 
 from __future__ import annotations
@@ -58,6 +62,10 @@ def _parse(argv):
     p.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV budget every engine gets")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per runner")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--paged-jax-cache", choices=("cold+warm", "as-is"), default="cold+warm",
+                   help="cold+warm: paged_jax runs on an empty persistent compilation cache (its first call "
+                        "compiles everything), then a second process on that cache times a warm first call; "
+                        "as-is: the user's cache, whatever it holds")
     p.add_argument("--skip", default="", help="comma-separated peer/dtype pairs not to run (e.g. transformers/bfloat16)")
     args = p.parse_args(argv)
     args.skip = [x for x in args.skip.split(",") if x]
@@ -131,13 +139,13 @@ def side_python(venv: str) -> str | None:
     return py if os.path.exists(os.path.join(d, ".ready")) and os.path.exists(py) else None
 
 
-def run_peer(name: str, workload_path: str, out_path: str, timeout: float) -> dict:
+def run_peer(name: str, workload_path: str, out_path: str, timeout: float, env_extra: dict | None = None) -> dict:
     """One runner in its own process: its result dict, or ``{"skipped": why}``."""
     venv = VENVS[name]
     python = sys.executable if venv is None else side_python(venv)
     if python is None:
         return {"skipped": f"side venv {venv!r} absent (build it: scripts/side_venv.sh {venv})"}
-    env = dict(os.environ, PYTHONPATH=REPO if venv is None else "", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, PYTHONPATH=REPO if venv is None else "", TOKENIZERS_PARALLELISM="false", **(env_extra or {}))
     cmd = [python, os.path.join(RUNNERS, f"{name}_runner.py"), workload_path, out_path]
     t0 = time.perf_counter()
     try:
@@ -197,6 +205,14 @@ def headline_of(table: dict, dtypes: list[str]) -> dict:
         for peer in PEERS:
             row = table.get((peer, dtype))
             head[f"{peer}_{s}_tokens_per_s"] = None if row is None else row["tokens_per_s"]
+        # start-up: load + first call (compiles / warm-up included), ours over vLLM's
+        vllm = table.get(("vllm", dtype))
+        for which, key in (("cold", "first_call_s"), ("warm", "first_call_warm_s")):
+            ok = (ours is not None and vllm is not None and ours.get(key) is not None
+                  and (which == "warm" or ours.get("compilation_cache") == "cold"))
+            load = ours.get("load_warm_s" if which == "warm" else "load_s") if ok else None
+            head[f"{s}_startup_{which}_cache_ratio_vs_vllm"] = (
+                (load + ours[key]) / (vllm["load_s"] + vllm["first_call_s"]) if ok and load is not None else None)
     return head
 
 
@@ -225,12 +241,23 @@ def main(argv=None) -> dict:
                     skipped[f"{peer}/{dtype}"] = "--skip"
                     continue
                 print(f"running {peer} {dtype} ...", flush=True)
-                result = run_peer(peer, path, os.path.join(tmp, f"{peer}_{dtype}.json"), args.timeout)
+                cold = peer == "paged_jax" and args.paged_jax_cache == "cold+warm"
+                cache_env = {"PAGED_JAX_COMPILATION_CACHE": os.path.join(tmp, f"jax_cache_{dtype}")} if cold else None
+                result = run_peer(peer, path, os.path.join(tmp, f"{peer}_{dtype}.json"), args.timeout, cache_env)
                 if "skipped" in result:
                     skipped[f"{peer}/{dtype}"] = result["skipped"]
                     print(f"  skipped: {result['skipped']}", flush=True)
                     continue
                 summary = summarize(result, args.max_tokens)
+                summary["compilation_cache"] = "cold" if cold else "as-is"
+                if cold:  # the same start-up again, reading the programs the cold run wrote
+                    warm_path = os.path.join(tmp, f"workload_{dtype}_warm.json")
+                    with open(warm_path, "w") as f:
+                        json.dump({**workload, "first_pass_only": True}, f)
+                    warm = run_peer(peer, warm_path, os.path.join(tmp, f"{peer}_{dtype}_warm.json"),
+                                    args.timeout, cache_env)
+                    summary["first_call_warm_s"] = warm.get("first_call_s")
+                    summary["load_warm_s"] = warm.get("load_s")
                 table[(peer, dtype)] = summary
                 tokens[(peer, dtype)] = result["tokens"]
                 rows.append({"engine": peer, "dtype": dtype, **summary})
@@ -252,6 +279,10 @@ def main(argv=None) -> dict:
         print(f"{r['engine']:13s} {r['dtype']:9s} {r['tokens_per_s']:8.1f} {r['tokens_per_cpu_s'] or 0:9.1f} {r['ttft_p50_ms']:8.0f}/{r['ttft_p99_ms']:<8.0f} "
               f"{r['tpot_p50_ms']:8.1f}/{r['tpot_p99_ms']:<8.1f} {r['first_call_s']:8.1f} {r['load_s']:7.1f} "
               f"{r['peak_rss_gib']:8.2f}")
+    for r in rows:
+        if r.get("first_call_warm_s") is not None:
+            print(f"{r['engine']} {r['dtype']}: first call {r['first_call_s']:.1f} s on an empty compilation cache, "
+                  f"{r['first_call_warm_s']:.1f} s on the cache it wrote (load {r['load_warm_s']:.1f} s)")
     for k, v in agreement.items():
         print(f"greedy identical {k}: {v['identical']}/{v['of']}")
     for k, v in skipped.items():

@@ -36,15 +36,20 @@ CLAIM_STUDIES = {
     "beam": ("C6",), "throughput": ("C8",), "allocation_order": ("C9",), "table_growth": ("C10",),
     "small_kv": ("C11",),
 }
+# Studies that add evidence to a claim another study judges: ``claim_evidence(result) ->
+# {claim id: {"ours": str, "why": str}}``, appended to that claim's row (its verdict stays the
+# judging study's).
+CLAIM_EVIDENCE = {"serving": ("C8",)}
 VERDICTS = ("reproduced", "partly reproduced", "refuted", "not applicable")
 README_BEGIN, README_END = "<!-- claims:begin -->", "<!-- claims:end -->"
 
 
 def study_order() -> list[str]:
-    """Studies in the order ``python -m experiments`` lists them, then any others."""
-    from experiments.__main__ import STUDIES
+    """Studies in the order ``python -m experiments`` lists them, then the peer studies
+    (run alone: side venvs, minutes of a real model)."""
+    from experiments.__main__ import PEER_STUDIES, STUDIES
 
-    return list(STUDIES)
+    return list(STUDIES) + list(PEER_STUDIES)
 
 
 def load_results(out_dir: str) -> dict[str, dict]:
@@ -78,6 +83,13 @@ def claim_rows(results: dict[str, dict]) -> dict[str, dict]:
                 raise ValueError(f"{study}: {row['claim']} has verdict {row['verdict']!r}, not one of {VERDICTS}")
             rows[row["claim"]] = {**row, "study": study, "machine": results[study].get("machine", {}),
                                   "quick": bool(results[study].get("quick", False))}
+    for study, ids in CLAIM_EVIDENCE.items():
+        if study in results:
+            extra = importlib.import_module(f"experiments.{study}").claim_evidence(results[study])
+            for cid in ids:
+                if cid in extra and rows[cid]["verdict"] in VERDICTS:
+                    rows[cid] = {**rows[cid], "ours": f"{rows[cid]['ours']}; `{study}`: {extra[cid]['ours']}",
+                                 "why": f"{rows[cid]['why']} {extra[cid]['why']}"}
     return {cid: rows[cid] for cid in CLAIMS}
 
 

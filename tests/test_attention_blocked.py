@@ -36,6 +36,7 @@ def test_blocked_rejects_bad_tuning():
         (dict(tail_blocks=0), "tail_blocks=0"),
         (dict(min_groups=0), "min_groups=0"),
         (dict(query_tile=0), "query_tile=0"),
+        (dict(products="matmul"), "products='matmul'"),
     ]:
         with pytest.raises(ValueError, match=match):
             blocked.paged_attention(q, pages, tables, lens, qls, **tuning)

@@ -127,6 +127,9 @@ IMPLS = {name: dispatch.IMPLS[name].fn for name in REGISTERED} | {
     "blocked-tail-not-dividing": functools.partial(
         blocked.paged_attention, query_tile=4, min_groups=2, blocks_per_chunk=4, tail_blocks=3
     ),
+    # "auto" runs decode's products as fused sums and chunks' as dots: each form on the other too.
+    "blocked-dot-products": functools.partial(blocked.paged_attention, products="dot"),
+    "blocked-sum-products": functools.partial(blocked.paged_attention, products="sum", blocks_per_chunk=3),
 }
 # fp32 "xla" is the blocked implementation with default tuning, so "blocked" joins only
 # where "xla" may be something else (bf16).

@@ -410,7 +410,7 @@ def run_machine(policy, shape, max_examples=20):
     machine.TestCase().runTest()
 
 
-@pytest.mark.parametrize("shape", [(9, 2, 5), (12, 4, 3)], ids=["bs2", "bs4"])
+@pytest.mark.parametrize("shape", [pytest.param((9, 2, 5), id="bs2", marks=pytest.mark.slow), pytest.param((12, 4, 3), id="bs4")])  # bs2: full suite only
 @pytest.mark.parametrize("policy_name", sorted(POLICIES))
 def test_block_manager_matches_its_host_model(policy_name, shape):
     run_machine(policy_name, shape)

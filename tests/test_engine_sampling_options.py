@@ -137,7 +137,7 @@ def sampled_reference():
     return [[(s.output_token_ids, s.output_logprobs) for s in g.seqs] for g in groups]
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.slow)])
 def test_seeded_options_are_identical_under_preemption(sampled_reference, mode):
     llm = _llm(preemption_mode=mode, eos=EOS)
     groups = _run(llm, _prompts(8, seed=2, lo=16, hi=34), SAMPLED * 2)

@@ -62,6 +62,7 @@ def test_preemption_gives_identical_outputs(reference, mode):
     assert_drained(llm)
 
 
+@pytest.mark.slow
 def test_swap_falls_back_to_recompute_when_the_host_pool_is_full(reference):
     llm = _llm(num_blocks=SMALL, preemption_mode="swap", swap_space_blocks=8)
     assert _tokens(llm.generate(_prompts(), GREEDY, use_tqdm=False)) == reference

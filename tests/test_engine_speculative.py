@@ -80,6 +80,7 @@ def test_greedy_outputs_equal_plain_decoding_on_the_fake(setting):
     assert_drained(llm)
 
 
+@pytest.mark.slow
 def test_sampled_outputs_follow_the_plain_sampling_distribution():
     """Two-sample test on the fake (vocab 48): 1000 seeded requests of one prompt that
     holds every token once (so prompt lookup always proposes the token that followed

@@ -61,3 +61,24 @@ def test_step_profile_quick(tmp_path):
     assert 0 <= r["padding_waste"]["pow2_from_8"] < 1 and r["host"]["decode_steps"] > 0
     assert 0 < r["host"]["host_phase_share"] < 1 and r["cpu_basis"]["share_of_matmul_peak_cpu"] > 0
     assert (tmp_path / "step_profile.json").exists()
+
+
+def test_startup_ratio_uses_the_cold_run_and_the_warm_rerun():
+    ours = {"tokens_per_s": 2.0, "tokens_per_cpu_s": None, "load_s": 1.0, "first_call_s": 9.0,
+            "compilation_cache": "cold", "first_call_warm_s": 2.0, "load_warm_s": 2.0}
+    vllm = {"tokens_per_s": 1.0, "tokens_per_cpu_s": None, "load_s": 15.0, "first_call_s": 5.0}
+    head = peers.headline_of({("paged_jax", "float32"): ours, ("vllm", "float32"): vllm}, ["float32"])
+    assert head["fp32_startup_cold_cache_ratio_vs_vllm"] == pytest.approx(10 / 20)
+    assert head["fp32_startup_warm_cache_ratio_vs_vllm"] == pytest.approx(4 / 20)
+    as_is = {**ours, "compilation_cache": "as-is", "first_call_warm_s": None}
+    head = peers.headline_of({("paged_jax", "float32"): as_is, ("vllm", "float32"): vllm}, ["float32"])
+    assert head["fp32_startup_cold_cache_ratio_vs_vllm"] is None  # a cache of unknown state is not "cold"
+
+
+@pytest.mark.slow
+def test_paged_jax_peer_runs_cold_then_warm(tmp_path):
+    out = peers.main(["--model", FIXTURE, "--peers", "paged_jax", "--dtypes", "float32", "--num-prompts", "2",
+                      "--max-tokens", "4", "--out", str(tmp_path)])
+    (row,) = out["rows"]
+    assert row["compilation_cache"] == "cold" and row["generated_tokens"] == 8 and row["passes_agree"]
+    assert 0 < row["first_call_warm_s"] and row["load_warm_s"] > 0

@@ -12,10 +12,6 @@ pytest.importorskip("httpx")
 
 from experiments import serving  # noqa: E402
 
-# Studies and multi-process runs: minutes on 2 cores; `make test-fast` skips them.
-pytestmark = pytest.mark.slow
-
-
 
 def test_gamma_arrivals_are_seeded_with_the_requested_rate():
     t = serving.arrival_times(4000, rate=5.0, burstiness=1.0, seed=3)
@@ -35,6 +31,43 @@ def test_summary_figures():
     assert s["output_tokens_per_s"] == 20 and s["normalized_latency_mean_s"] == pytest.approx(0.1)
 
 
+def test_overhead_split_recovers_fixed_and_per_token_costs():
+    tokens = [8, 16, 24, 32, 40, 8, 16]
+    diff = [(2.0 + 0.25 * t) / 1e3 for t in tokens]
+    diff[3] += 0.05  # one pair a busy machine delayed by 50 ms
+    got = serving.overhead_split(tokens, diff)
+    assert got["fixed_ms"] == pytest.approx(2.0) and got["per_token_ms"] == pytest.approx(0.25)
+    assert serving.overhead_split([8, 8], [0.001, 0.002]) == {"fixed_ms": None, "per_token_ms": None}
+
+
+def _saved(ratio):
+    h = {"sustained_rate_ratio_vs_vllm": ratio, "sustained_rate": 2.0, "vllm_sustained_rate": 2.0 / ratio if ratio
+         else None, "latency_bound_s_per_token": 0.2, "sustained_rate_ratio_reason": None if ratio else "skipped"}
+    return {"headline": h, "config": {"model": "m"}, "machine": {"date": "2026-12-03"}}
+
+
+def test_c8_row_gets_the_serving_ratio(monkeypatch):
+    from experiments import report
+
+    ev = serving.claim_evidence(_saved(0.8))["C8"]
+    assert "0.80x" in ev["ours"] and "2.50 req/s" in ev["ours"] and "below vLLM's" in ev["why"]
+    assert "at least vLLM's" in serving.claim_evidence(_saved(1.25))["C8"]["why"]
+    censored = _saved(0.8)
+    censored["headline"]["vllm_sustained_rate_censored"] = True
+    assert "vLLM's >= 2.50 req/s" in serving.claim_evidence(censored)["C8"]["ours"]
+    assert "not measured" in serving.claim_evidence(_saved(None))["C8"]["ours"]
+    judged = {"claim": "C8", "seed": "s", "ours": "o", "verdict": "partly reproduced", "why": "w"}
+    fake = {"throughput": type("M", (), {"claims": staticmethod(lambda r: [judged])}), "serving": serving}
+    monkeypatch.setattr(report.importlib, "import_module", lambda name: fake[name.split(".")[1]])
+    monkeypatch.setattr(report, "CLAIM_STUDIES", {"throughput": ("C8",)})
+    monkeypatch.setattr(report, "CLAIMS", ("C8",))
+    row = report.claim_rows({"throughput": {}, "serving": _saved(0.8)})["C8"]
+    assert row["verdict"] == "partly reproduced" and row["ours"].startswith("o; `serving`: ")
+    assert row["why"].startswith("w Under arrivals")
+    assert report.claim_rows({"throughput": {}})["C8"]["ours"] == "o"  # no serving run: unchanged
+
+
+# A study with a multi-process server: minutes on 2 cores; `make test-fast` skips it.
 @pytest.mark.slow
 def test_quick_run_writes_its_headline(tmp_path):
     result = serving.main(["--quick", "--skip-vllm", "--num-prompts", "4", "--request-rate", "4",

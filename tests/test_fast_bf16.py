@@ -56,7 +56,7 @@ def fp32():
     return _run("float32", pack=False)[0]
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float16", marks=pytest.mark.slow)])
 def test_packed_equals_unpacked_and_close_to_fp32(dtype, fp32):
     traces: list[str] = []
     packed = _run(dtype, pack=True, traces=traces)[0]

@@ -258,7 +258,7 @@ class HostModelMachine(BlockManagerMachine):
         assert view.blocks_held(range(MAX_SEQS)) == self.shape[0] - view.num_available
 
 
-@pytest.mark.parametrize("shape", [(9, 2, 5), (12, 4, 3)], ids=["bs2", "bs4"])
+@pytest.mark.parametrize("shape", [pytest.param((9, 2, 5), id="bs2", marks=pytest.mark.slow), pytest.param((12, 4, 3), id="bs4")])  # bs2: full suite only
 def test_host_model_answers_match_the_device_after_random_ops(shape):
     machine = type("HostModelMachine_lifo", (HostModelMachine,), {"policy_name": "lifo", "shape": shape})
     machine.TestCase.settings = settings(

@@ -34,7 +34,7 @@ def test_model_step_reads_layers_in_place():
     assert not any(layer_shape in line for line in loops)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "int8", "int8_channel", "fp8_e4m3"])
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "int8", *(pytest.param(d, marks=pytest.mark.slow) for d in ("int8_channel", "fp8_e4m3"))])
 def test_decode_step_never_converts_or_copies_the_pool(kv_cache_dtype):
     """No pool-sized convert or copy in a decode step over sub-fp32 pages or scales
     (values and scales are gathered and scattered as same-width integers): XLA:CPU

@@ -47,6 +47,11 @@ def _pages(dtype, head_dim, block_size, num_kv_heads, num_blocks=1000):
 # step rotate through their values so every combination is covered across the sweep
 # without multiplying the (already cheap) case count.
 CASES = list(itertools.product(DTYPES, SUPPORTED_HEAD_DIMS, SUPPORTED_BLOCK_SIZES, GQA))
+# The inner loop (make test-fast) lowers every fourth case; the full suite lowers them all.
+CASE_PARAMS = [
+    pytest.param(i, id=f"{jnp.dtype(d).name}-d{h}-bs{b}-g{q // k}", marks=() if i % 4 == 0 else pytest.mark.slow)
+    for i, (d, h, b, (q, k)) in enumerate(CASES)
+]
 
 
 def _tuning(index: int, block_size: int):
@@ -57,9 +62,7 @@ def _tuning(index: int, block_size: int):
     return splits, bps
 
 
-@pytest.mark.parametrize(
-    "index", range(len(CASES)), ids=[f"{jnp.dtype(d).name}-d{h}-bs{b}-g{q // k}" for d, h, b, (q, k) in CASES]
-)
+@pytest.mark.parametrize("index", CASE_PARAMS)
 def test_decode_lowers_for_cuda(index):
     dtype, head_dim, block_size, (hq, hk) = CASES[index]
     splits, bps = _tuning(index, block_size)
@@ -76,9 +79,7 @@ def test_decode_lowers_for_cuda(index):
     assert TRITON_CALL in text
 
 
-@pytest.mark.parametrize(
-    "index", range(len(CASES)), ids=[f"{jnp.dtype(d).name}-d{h}-bs{b}-g{q // k}" for d, h, b, (q, k) in CASES]
-)
+@pytest.mark.parametrize("index", CASE_PARAMS)
 def test_chunk_lowers_for_cuda(index):
     dtype, head_dim, block_size, (hq, hk) = CASES[index]
     splits, bps = _tuning(index, block_size)

@@ -80,6 +80,7 @@ def test_hits_skip_the_prefill_of_cached_blocks():
     assert _completions(outs) == _completions(_llm(ROOMY).generate(PROMPTS[:6], GREEDY, use_tqdm=False))
 
 
+@pytest.mark.slow
 def test_generated_blocks_are_cached_so_a_conversation_reuses_its_history():
     llm = _llm(ROOMY, enable_prefix_caching=True)
     chat = Conversation(PROMPTS[0][:6])
@@ -113,6 +114,7 @@ def test_parallel_sampling_and_beam_search_compose_with_the_cache():
     assert_drained(llm)
 
 
+@pytest.mark.slow
 def test_eviction_never_touches_a_referenced_block():
     """Before each step that evicts: no evicted block is named by a row that the step
     keeps, nor by a row it opens on cached blocks (the device would refuse too)."""

@@ -8,6 +8,8 @@ once untimed-but-recorded (``first_call_s``: compiles included), then again time
 over the process tree), "first_token_s": [per prompt, from
 the run's start], "finish_s": [...], "tokens": [[ids]], "peak_rss_bytes"}``: the peak summed
 resident memory of the runner's process tree (vLLM's engine core is a child), sampled.
+With ``"first_pass_only": true`` in the workload it stops after the first pass and writes
+``{"name", "versions", "dtype", "load_s", "first_call_s", "peak_rss_bytes"}`` (start-up only).
 """
 
 from __future__ import annotations
@@ -133,6 +135,12 @@ def main(name: str, load, run_pass, versions: dict) -> None:
     engine = load(workload)
     load_s = time.perf_counter() - t0
     first = run_pass(engine, workload)
+    if workload.get("first_pass_only"):  # a start-up measurement (e.g. a warm compilation cache)
+        result = {"name": name, "versions": versions, "dtype": workload["dtype"], "load_s": load_s,
+                  "first_call_s": first["run_s"], "peak_rss_bytes": peak.stop()}
+        write_result(out_path, result)
+        print(json.dumps(result))
+        return
     timed = run_pass(engine, workload)
     result = {"name": name, "versions": versions, "dtype": workload["dtype"], "load_s": load_s,
               "first_call_s": first["run_s"], "first_pass_tokens_equal": first["tokens"] == timed["tokens"],

@@ -50,6 +50,7 @@ def paged_attention(
     min_groups: int = 4,
     blocks_per_chunk: int = 8,
     tail_blocks: int = 2,
+    products: str = "auto",
 ) -> jax.Array:
     """Causal attention of up to T new tokens per row over a paged KV cache.
 
@@ -65,6 +66,12 @@ def paged_attention(
       blocks_per_chunk: table columns read per step of the main inner loop.
       tail_blocks: table columns per step of the tail loop, which reads what is left
         of a group's longest row after the main loop's whole chunks.
+      products: how a chunk's two products run: "dot" (batched ``einsum`` dots), "sum"
+        (elementwise products and reductions, which XLA fuses with the masking and the
+        exp: no tiny batched dots), or "auto": "sum" for decode (T = 1: a kv head's
+        queries are its G heads only, so the products are memory-bound) and "dot" for
+        chunks. Measured on 2 cores (SmolLM2 shape, 64 rows x 200 tokens, fp32, 30
+        layers): attention alone 247 -> 204 ms CPU; the whole decode step 538 -> 464.
 
     Returns [B, T, Hq, D] in q.dtype.
     """
@@ -73,6 +80,9 @@ def paged_attention(
     hkv, n, bs, g = sizes.kv_heads, sizes.num_blocks, sizes.block_size, sizes.group
     q = jnp.asarray(q)
     p = block_tables.shape[1]
+    if products not in ("auto", "dot", "sum"):
+        raise ValueError(f"products={products!r}: choose 'auto', 'dot' or 'sum'")
+    use_dot = products == "dot" or (products == "auto" and t > 1)
     if min(query_tile, min_groups, blocks_per_chunk, tail_blocks) < 1:
         raise ValueError(
             f"query_tile={query_tile}, min_groups={min_groups}, blocks_per_chunk={blocks_per_chunk} and "
@@ -128,13 +138,19 @@ def paged_attention(
                     ok = jnp.repeat(ok, g, axis=2)[None]  # [1, r, ck, TG]
                 # Keys as the left operand: XLA:CPU's dot is several times faster this
                 # way round than with the contraction on the right operand's minor axis.
-                s = jnp.einsum("krsd,krqd->krsq", k, qq, precision=_HIGHEST)
+                if use_dot:
+                    s = jnp.einsum("krsd,krqd->krsq", k, qq, precision=_HIGHEST)
+                else:
+                    s = jnp.sum(k[:, :, :, None, :] * qq[:, :, None, :, :], axis=-1)
                 s = jnp.where(ok, s * scale, _MASKED)
                 m_new = jnp.maximum(m, s.max(axis=2))
                 e = jnp.where(ok, jnp.exp(s - m_new[:, :, None, :]), 0.0)
                 alpha = jnp.exp(m - m_new)
                 v = jnp.where(key_ok[None, :, :, None], v, 0.0)  # stale/NaN memory stays out
-                pv = jnp.einsum("krsq,krsd->krqd", e, v, precision=_HIGHEST)
+                if use_dot:
+                    pv = jnp.einsum("krsq,krsd->krqd", e, v, precision=_HIGHEST)
+                else:
+                    pv = jnp.sum(e[..., None] * v[:, :, :, None, :], axis=2)
                 return m_new, denom * alpha + e.sum(axis=2), acc * alpha[..., None] + pv
 
             return chunk

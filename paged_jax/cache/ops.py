@@ -39,6 +39,7 @@ must not happen are sent out of bounds and dropped rather than selected with
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -55,13 +56,42 @@ _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 # --------------------------------------------------------------------------- debug checks
 
 
-def _checked(op):
-    """Run ``check_invariants`` on the new state when the input state has ``debug`` on:
-    on the spot for concrete states, through a host callback when traced."""
+def _concrete_int32(args) -> bool:
+    """Every array argument is a concrete int32 ``jax.Array`` (None allowed): what a
+    jitted op reads exactly as the op-by-op one does. Anything else (NumPy, lists, other
+    dtypes, tracers) goes op by op, where the argument checks see concrete values."""
+    leaves = jax.tree.leaves(args)
+    return all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.dtype == jnp.int32
+               for x in leaves)
+
+
+def _eager_jit(op):
+    """Called outside jit with concrete int32 arrays, ``op`` runs as one compiled program
+    (cached per shape) instead of dispatching each primitive: a notebook or test calling
+    the ops one at a time runs ~10x faster. Traced calls and other arguments are unchanged."""
+    # An op's keyword-only parameters (max_tokens, max_local) are its static sizes.
+    static = tuple(n for n, p in inspect.signature(op).parameters.items() if p.kind is p.KEYWORD_ONLY)
+    jitted = jax.jit(op, static_argnames=static)
 
     @functools.wraps(op)
     def wrapper(state, *args, **kwargs):
-        out = op(state, *args, **kwargs)
+        arrays = (args, {k: v for k, v in kwargs.items() if k not in static})
+        traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state))
+        if traced or not _concrete_int32(arrays):
+            return op(state, *args, **kwargs)
+        return jitted(state, *args, **kwargs)
+
+    return wrapper
+
+
+def _checked(op):
+    """Run ``check_invariants`` on the new state when the input state has ``debug`` on:
+    on the spot for concrete states, through a host callback when traced."""
+    run = _eager_jit(op)
+
+    @functools.wraps(op)
+    def wrapper(state, *args, **kwargs):
+        out = run(state, *args, **kwargs)
         if state.debug:
             from paged_jax.cache.invariants import check_invariants
 
@@ -225,6 +255,7 @@ def _change_counts(
 # --------------------------------------------------------------------------- queries
 
 
+@_eager_jit
 def num_free_blocks(state: CacheState) -> jax.Array:
     """int32[]: blocks the pool can hand out now."""
     return state.policy.num_free(state.pool)
@@ -304,6 +335,7 @@ def _device_plan(state: CacheState, seq_ids, num_tokens, real) -> _AppendPlan:
     )
 
 
+@_eager_jit
 def blocks_needed(state: CacheState, seq_ids: jax.Array, num_tokens: jax.Array) -> jax.Array:
     """int32[B]: blocks ``append_slots`` would take for these appends (new + copy-on-write).
 
@@ -456,6 +488,7 @@ def evict_cached(state: CacheState, block_ids: jax.Array) -> tuple[CacheState, j
     ), status
 
 
+@_eager_jit
 def num_cached_free(state: CacheState) -> jax.Array:
     """int32[]: cached blocks no table names (reclaimable by ``evict_cached``). O(num_blocks),
     a reduction."""

@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 
+from experiments.lib.real import LICENSES
 from paged_jax.models import smollm2_installed
 
 pytestmark = [pytest.mark.skipif(not smollm2_installed(),
@@ -43,6 +44,8 @@ def test_beam_real_model_rows_merge(tmp_path):
     assert r["headline"]["real_model_beam2_memory_saving"] > 0
 
 
+@pytest.mark.skipif(not os.path.isfile(os.path.join(LICENSES, "Apache-2.0")),
+                    reason=f"no licence texts under {LICENSES} (the real text of these rows)")
 def test_prefix_and_multiturn_real_model_rows_merge(tmp_path):
     p = _merge(tmp_path, "prefix")["real_model"]
     assert p["off"]["hit_rate"] == 0 and p["hit_rate"] > 0

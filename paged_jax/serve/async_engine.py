@@ -4,8 +4,11 @@ steps, so HTTP requests batch with each other (continuous batching across client
 The engine thread owns the ``LLM``: every ``add_request``, ``abort`` and ``step`` happens
 on it, so the engine code is exactly the offline one (``LLM.add_request`` / ``step`` /
 ``abort``, nothing private). Callers on an asyncio loop talk to it through a command queue
-and get each request's ``RequestOutput``s (cumulative, one per step that changed it) on an
-``asyncio.Queue``, handed over with one ``call_soon_threadsafe`` per step.
+and get each request's ``RequestOutput``s (cumulative, one per step that changed it): the
+outputs of every request of a step are handed to the loop in one ``call_soon_threadsafe``,
+and each request keeps only its latest output until its consumer reads it, so outputs
+that pile up while the consumer is busy (a slow client, a loop waiting for the GIL) are
+read as one (coalesced: the cumulative output holds every token, text and logprob).
 
 - **Join/leave between steps.** Commands queued while a step runs are applied before the
   next one; an idle thread sleeps on the queue.
@@ -48,10 +51,12 @@ class EngineError(Exception):
 @dataclasses.dataclass(eq=False)
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
     arrival: float  # perf_counter when submitted
-    last: float = 0.0  # perf_counter of the last output with new tokens
-    tokens: int = 0
+    last: float = 0.0  # perf_counter of the last output with new tokens (engine thread)
+    tokens: int = 0  # engine thread
+    item: object = None  # loop only: the latest unread output, or an exception (which sticks)
+    waiter: asyncio.Future | None = None  # loop only: the consumer waiting for ``item``
+    coalesced: int = 0  # loop only: outputs replaced by a later one before being read
 
 
 class AsyncEngine:
@@ -145,7 +150,7 @@ class AsyncEngine:
             self.metrics.rejected.inc()
             raise Overloaded(f"too many requests waiting ({self.num_waiting}; --max-waiting {self.max_waiting})")
         self.validate(prompt_token_ids, params)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
+        stream = _Stream(asyncio.get_running_loop(), time.perf_counter())
         added: Future = Future()
         with self._lock:
             self._pending_adds += 1
@@ -234,14 +239,14 @@ class AsyncEngine:
             if out.finished:
                 del self._streams[out.request_id]
                 self.metrics.finished(out, now - stream.arrival)
-            by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+            by_loop.setdefault(stream.loop, []).append((stream, out))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 
     def _fail_all(self, error: Exception) -> None:
         by_loop: dict = {}
         for stream in self._streams.values():
-            by_loop.setdefault(stream.loop, []).append((stream.queue, error))
+            by_loop.setdefault(stream.loop, []).append((stream, error))
         self._streams.clear()
         for loop, items in by_loop.items():
             if not loop.is_closed():
@@ -271,11 +276,20 @@ class RequestStream:
     async def __aiter__(self):
         try:
             await asyncio.wrap_future(self._added)  # add_request's ValueError lands here
+            s = self._stream
             while True:
-                item = await self._stream.queue.get()
+                item = s.item
+                if item is None:
+                    s.waiter = s.loop.create_future()
+                    try:
+                        await s.waiter
+                    finally:
+                        s.waiter = None
+                    continue
                 if isinstance(item, BaseException):
                     self.done = True
                     raise item
+                s.item = None
                 if item.finished:
                     self.done = True
                 yield item
@@ -291,5 +305,16 @@ def _one_request(message: str) -> str:
 
 
 def _put_all(items) -> None:
-    for q, item in items:
-        q.put_nowait(item)
+    """On the loop: each stream's latest output replaces an unread one (outputs are
+    cumulative); an exception replaces anything and is never replaced; the waiting
+    consumer, if any, is woken."""
+    for stream, item in items:
+        held = stream.item
+        if isinstance(held, BaseException):
+            continue
+        if held is not None:
+            stream.coalesced += 1
+        stream.item = item
+        waiter = stream.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)

@@ -12,6 +12,7 @@ Log-probabilities that are -inf are reported as -9999.0 (JSON has no infinity; v
 from __future__ import annotations
 
 import itertools
+import json
 import time
 import uuid
 from typing import Any
@@ -260,3 +261,40 @@ def chat_logprobs(token_ids: list[int], entries: list[dict], tokenizer, k: int) 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+# ---------------------------------------------------------------------------- stream chunks
+
+_ENC = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps(obj, separators=(",", ":"))
+
+
+class StreamChunks:
+    """The server-sent events of one streamed response, rendered from pre-encoded parts:
+    the envelope (id, object, created, model) is encoded once per response and each event
+    only encodes its choices' strings (no dict per chunk). An event is exactly
+    ``"data: " + json.dumps({"id", "object", "created", "model", "choices"[, "usage": null]},
+    separators=(",", ":")) + "\n\n"`` with ``choices`` the given rendered choices."""
+
+    def __init__(self, rid: str, obj: str, created: int, model: str, include_usage: bool):
+        self.head = f'data: {{"id":{_ENC(rid)},"object":{_ENC(obj)},"created":{int(created)},"model":{_ENC(model)},"choices":['
+        self.foot = "]" + (',"usage":null' if include_usage else "") + "}\n\n"
+
+    def event(self, choices: list[str]) -> str:
+        return self.head + ",".join(choices) + self.foot
+
+    def usage_event(self, usage: dict) -> str:
+        """The last chunk of ``stream_options.include_usage``: no choices, the usage."""
+        return self.head + '],"usage":' + _ENC(usage) + "}\n\n"
+
+
+def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason, stop_reason) -> str:
+    """One choice of a completions stream chunk, as JSON."""
+    return (f'{{"index":{index},"text":{_ENC(text)},"logprobs":{"null" if logprobs is None else _ENC(logprobs)},'
+            f'"finish_reason":{_ENC(finish_reason)},"stop_reason":{_ENC(stop_reason)}}}')
+
+
+def chat_choice(index: int, content: str, logprobs: dict | None, finish_reason, stop_reason) -> str:
+    """One choice of a chat stream chunk, as JSON (``delta`` is ``{}`` for empty content)."""
+    delta = f'{{"content":{_ENC(content)}}}' if content else "{}"
+    return (f'{{"index":{index},"delta":{delta},"logprobs":{"null" if logprobs is None else _ENC(logprobs)},'
+            f'"finish_reason":{_ENC(finish_reason)},"stop_reason":{_ENC(stop_reason)}}}')

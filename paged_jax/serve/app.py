@@ -229,7 +229,10 @@ def build_app(llm, *, model_name: str | None = None, api_key: str | None = None,
 
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         render = P.StreamChunks(rid, "text_completion", created, name, include_usage)
-        sent: dict[int, list[int]] = {}  # choice index -> [chars sent, tokens sent, finished]
+        # choice index -> [chars sent, tokens sent, finished, text offset of the next token (the
+        # sum of the sent tokens' texts, as the whole completion counts it: the text can lag the
+        # tokens while a character's bytes are incomplete)]
+        sent: dict[int, list[int]] = {}
         totals = [0]  # completion tokens of the finished choices
 
         def choices_of(i, out) -> list[str]:
@@ -240,7 +243,7 @@ def build_app(llm, *, model_name: str | None = None, api_key: str | None = None,
                 idx = i * n + c.index
                 state = sent.get(idx)
                 if state is None:
-                    state = sent[idx] = [0, 0, 0]
+                    state = sent[idx] = [0, 0, 0, 0]
                     first = True
                 else:
                     first = False
@@ -256,7 +259,9 @@ def build_app(llm, *, model_name: str | None = None, api_key: str | None = None,
                 lp = None
                 if k is not None and c.logprobs is not None:
                     lp = P.completion_logprobs(new_ids, c.logprobs[state[1]:state[1] + len(new_ids)],
-                                               tokenizer, k, offset=state[0])
+                                               tokenizer, k, offset=state[3])
+                    if lp["tokens"]:
+                        state[3] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                 choices.append(P.completion_choice(idx, delta, lp, c.finish_reason, c.stop_reason))
                 state[0], state[1], state[2] = max(len(c.text), state[0]), len(c.token_ids), int(done)
                 if done:

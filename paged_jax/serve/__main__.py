@@ -12,8 +12,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
+SWITCH_INTERVAL = 0.005  # Python's default
 _SERVER_ONLY = ("model", "mesh")  # not options: the positional model; a Mesh has no command-line form
 
 
@@ -48,6 +50,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=int, default=512, help="queued requests beyond which new ones get 503")
     p.add_argument("--log-level", default="info")
     p.add_argument("--no-warmup", action="store_true", help="do not compile the decode/prefill programs up front")
+    p.add_argument("--switch-interval", type=float,
+                   default=float(os.environ.get("PAGED_JAX_SWITCH_INTERVAL", SWITCH_INTERVAL)),
+                   help="sys.setswitchinterval for the server process, s: how long the HTTP loop can wait "
+                        "for the GIL while the engine thread holds it (Python's default is 0.005)")
     engine = p.add_argument_group("engine (LLM / EngineArgs options)")
     for f in dataclasses.fields(EngineArgs):
         if f.name in _SERVER_ONLY:
@@ -68,6 +74,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
     engine_kw = {k: v for k, v in vars(args).items() if k in defaults and k != "model" and v != defaults[k]}
+    if not args.switch_interval > 0:
+        raise ValueError(f"--switch-interval {args.switch_interval}: must be > 0")
+    sys.setswitchinterval(args.switch_interval)
     llm = LLM(args.model, **engine_kw)
     if not args.no_warmup:
         llm.warmup(use_tqdm=False)

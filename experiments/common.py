@@ -50,8 +50,13 @@ def write_json(out_dir: str, name: str, result: dict) -> str:
 
 
 def print_headline(headline: dict, digits: int = 3) -> None:
-    """One line of a study's headline, floats rounded to ``digits``."""
-    print("headline:", {k: round(v, digits) if isinstance(v, float) else v for k, v in headline.items()})
+    """One line of a study's headline, floats rounded to ``digits`` decimals; a float smaller than that
+    keeps ``digits`` significant digits instead (a 4.4e-05 score error is not shown as 0.0)."""
+
+    def shown(v: float) -> float:
+        return round(v, digits) if v == 0 or abs(v) >= 10**-digits else float(f"{v:.{digits}g}")
+
+    print("headline:", {k: shown(v) if isinstance(v, float) else v for k, v in headline.items()})
 
 
 def pyplot():

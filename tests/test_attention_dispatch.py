@@ -8,10 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.attention import blocked, dispatch, pallas, reference
+from paged_jax.attention import blocked, cpu_kernel, dispatch, pallas, reference
 from paged_jax.kv import KVPages
 
 ON_GPU = jax.default_backend() == "gpu"
+# "auto" off the GPU: the native CPU kernel where it builds, else the plain-XLA loops
+AUTO_HERE = "pallas" if ON_GPU else ("cpu" if jax.default_backend() == "cpu" and cpu_kernel.missing() is None else "xla")
 
 
 def _case(seed=0, *, d=8, bs=4, dtype=jnp.float32):
@@ -25,8 +27,8 @@ def _case(seed=0, *, d=8, bs=4, dtype=jnp.float32):
 
 
 def test_table_and_resolution():
-    assert set(dispatch.IMPLS) >= {"reference", "xla", "pallas", "pallas_interpret"}
-    assert dispatch.resolve_impl("auto") == ("pallas" if ON_GPU else "xla")
+    assert set(dispatch.IMPLS) >= {"reference", "xla", "cpu", "pallas", "pallas_interpret"}
+    assert dispatch.resolve_impl("auto") == AUTO_HERE
     for name in ("reference", "xla", "pallas", "pallas_interpret"):
         assert dispatch.resolve_impl(name) == name
     with pytest.raises(ValueError, match="impl='triton'"):
@@ -36,15 +38,54 @@ def test_table_and_resolution():
 
 
 def test_each_name_runs_its_implementation():
-    """ "reference" is the reference exactly; "xla" (and "auto" off the GPU) the blocked
-    implementation exactly (fp32)."""
+    """ "reference" is the reference exactly; "xla" the blocked implementation exactly, and
+    "auto" what it resolves to exactly (fp32)."""
     case = _case(1)
     ref = reference.paged_attention(*case)
     np.testing.assert_array_equal(dispatch.paged_attention(*case, impl="reference"), ref)
     want = blocked.paged_attention(*case)
-    for impl in ("xla",) if ON_GPU else ("xla", "auto"):
-        np.testing.assert_array_equal(dispatch.paged_attention(*case, impl=impl), want)
+    np.testing.assert_array_equal(dispatch.paged_attention(*case, impl="xla"), want)
     np.testing.assert_allclose(want, ref, rtol=1e-5, atol=1e-5)
+    if not ON_GPU:
+        auto = dispatch.IMPLS[AUTO_HERE].fn(*case)
+        np.testing.assert_array_equal(dispatch.paged_attention(*case, impl="auto"), auto)
+        np.testing.assert_allclose(auto, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_picks_an_entry_that_reads_the_pages(monkeypatch):
+    """"auto" never picks an entry that cannot read the pages' format: on the CPU quantised
+    pages go to "xla" (the native kernel reads float pages only), and ``check_reads`` agrees."""
+    from paged_jax.kv import quant
+
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "cpu")
+    monkeypatch.setattr(dispatch, "IMPLS", dict(dispatch.IMPLS))
+    dispatch.register(dispatch.dataclasses.replace(dispatch.IMPLS["cpu"], available=lambda: None))
+    assert dispatch.resolve_impl("auto") == "cpu"
+    assert dispatch.resolve_impl("auto", "bfloat16") == "cpu"
+    for fmt in ("int8", "int8_channel", "fp8_e4m3"):
+        assert dispatch.resolve_impl("auto", fmt) == "xla"
+        dispatch.check_reads("auto", fmt)  # no error: "auto" reads them through "xla"
+    with pytest.raises(ValueError, match="'cpu' cannot read kv_cache_dtype='int8'"):
+        dispatch.check_reads("cpu", "int8")
+    q, pages, tables, lengths, q_lens = _case(8)
+    k, ks = quant.quantize_blocks(quant.kv_format("int8"), pages.k)
+    v, vs = quant.quantize_blocks(quant.kv_format("int8"), pages.v)
+    qpages = KVPages(k, v, ks, vs, kv_format="int8")
+    np.testing.assert_array_equal(dispatch.paged_attention(q, qpages, tables, lengths, q_lens, impl="auto"),
+                                  blocked.paged_attention(q, qpages, tables, lengths, q_lens))
+
+
+def test_auto_on_cpu_falls_back_to_xla_without_the_native_kernel(monkeypatch):
+    """No compiler (or a failed build): "auto" warns with the reason and uses "xla"; asking
+    for "cpu" by name raises it."""
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "cpu")
+    monkeypatch.setattr(dispatch, "IMPLS", dict(dispatch.IMPLS))
+    why = "the native CPU kernel is unavailable: no C++ compiler found"
+    dispatch.register(dispatch.dataclasses.replace(dispatch.IMPLS["cpu"], available=lambda: why))
+    with pytest.warns(UserWarning, match="falls back to 'xla'.*no C\\+\\+ compiler"):
+        assert dispatch.resolve_impl("auto") == "xla"
+    assert "no C++ compiler" in dispatch.tiling_problem("cpu", head_dim=64, block_size=16, num_heads=4,
+                                                        num_kv_heads=2)
 
 
 def test_register_impl_injects_an_implementation(monkeypatch):

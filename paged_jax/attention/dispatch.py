@@ -7,16 +7,20 @@ needs, and where ``"auto"`` prefers it. The built-in entries:
 - ``"reference"``: ``reference.paged_attention`` (plain XLA, gathers the whole table: the
   oracle every other implementation is tested against).
 - ``"xla"``: ``blocked.paged_attention`` (plain XLA, length-aware: reads only the blocks
-  rows hold; any backend; the default off the GPU), in every dtype: sub-fp32 pages are
+  rows hold; any backend; "auto"'s fallback), in every dtype: sub-fp32 pages are
   gathered as same-width integers (``reference.gather_blocks``), so XLA:CPU does not
   convert the whole pool to f32 outside the loops on every call.
+- ``"cpu"``: the native XLA:CPU kernel (``cpu_kernel``: C++ through XLA's FFI, built on
+  first use; reads blocks in place, where plain XLA on the CPU copies them first); the
+  default on the CPU for float pages, "xla" for quantised ones or without a compiler.
 - ``"pallas"``: ``pallas_kernels`` compiled for the GPU (``pallas.paged_attention``).
 - ``"pallas_interpret"``: the same kernels in Pallas interpret mode (any backend; tests).
 - ``"mosaic_gpu"``: the Mosaic GPU kernel (``pallas_kernels.mosaic``, Hopper), in Mosaic GPU
   interpret mode off the GPU (slow: tests); reads int8 / fp8_e4m3 pages, not int8_channel.
 
 ``"auto"`` is not an implementation but a choice: the first registered entry that names the
-current backend in ``auto_on`` and is ``available`` (``"pallas"`` on GPU), else ``"xla"``.
+current backend in ``auto_on``, reads the pages' format and is ``available`` (``"pallas"`` on
+GPU, ``"cpu"`` on the CPU), else ``"xla"``.
 It falls back to ``"xla"`` with a warning when that entry's ``available`` says why not, or
 when the kernel refuses the call's shapes with a ValueError; an explicit name raises instead.
 
@@ -36,7 +40,7 @@ from collections.abc import Callable
 
 import jax
 
-from paged_jax.attention import blocked, contract, mosaic, pallas, reference
+from paged_jax.attention import blocked, contract, cpu_kernel, mosaic, pallas, reference
 
 AUTO = "auto"
 
@@ -133,6 +137,8 @@ def register_impl(name: str, fn: contract.AttentionFn, *, reads_quantized: bool 
 
 register(AttentionImpl("reference", reference.paged_attention, reads_quantized=True))
 register(AttentionImpl("xla", blocked.paged_attention, reads_quantized=True))
+register(AttentionImpl("cpu", cpu_kernel.paged_attention, needs_backend="cpu", auto_on=("cpu",),
+                       available=cpu_kernel.missing))
 register(AttentionImpl("pallas", functools.partial(pallas.paged_attention, interpret=False), reads_quantized=True,
                        tiling_problem=_pallas_tiling, needs_backend="gpu", auto_on=("gpu",),
                        available=_pallas_missing))
@@ -153,10 +159,7 @@ def check_reads(impl: str, kv_cache_dtype: str) -> None:
     from paged_jax.kv.quant import kv_format
 
     fmt = kv_format(kv_cache_dtype)
-    if impl == AUTO:
-        names = {"xla"} | {n for n, r in IMPLS.items() if r.auto_on}
-    else:
-        names = {resolve_impl(impl)}
+    names = {resolve_impl(impl, fmt.name)}
     bad = sorted(n for n in names if not IMPLS[n].reads(fmt.name))
     if bad:
         readers = sorted(n for n, r in IMPLS.items() if r.reads(fmt.name))
@@ -176,16 +179,17 @@ def tiling_problem(impl: str, *, head_dim: int, block_size: int, num_heads: int,
                                              num_kv_heads=num_kv_heads)
 
 
-def resolve_impl(impl: str) -> str:
+def resolve_impl(impl: str, kv_cache_dtype: str | None = None) -> str:
     """The name of the implementation ``impl`` selects here: itself, or for ``"auto"`` the
-    first available entry preferred on this backend, else "xla". ValueError for an unknown name."""
+    first available entry preferred on this backend (and reading ``kv_cache_dtype`` pages,
+    when given), else "xla". ValueError for an unknown name."""
     if impl != AUTO and impl not in IMPLS:
         raise ValueError(f"attention impl={impl!r}: choose one of {(AUTO, *IMPLS)}")
     if impl != AUTO:
         return impl
     backend = jax.default_backend()
     for name, entry in IMPLS.items():
-        if backend in entry.auto_on:
+        if backend in entry.auto_on and (kv_cache_dtype is None or entry.reads(kv_cache_dtype)):
             missing = entry.available() if entry.available is not None else None
             if missing is None:
                 return name
@@ -210,9 +214,10 @@ def paged_attention(
     with ``layer`` (a Python int or a traced int32 scalar) or [Hkv, N, bs, D] with None;
     int32 block_tables [B, P], lengths and q_lens [B] -> [B, T, Hq, D] in q.dtype.
     """
-    name = resolve_impl(impl)
+    quantized = getattr(pages, "k_scale", None) is not None
+    name = resolve_impl(impl, pages.kv_format if quantized else None)
     contract.check(q, pages, block_tables, lengths, q_lens, layer)
-    if getattr(pages, "k_scale", None) is not None:
+    if quantized:
         check_reads(name, pages.kv_format)
     args = (q, pages, block_tables, lengths, q_lens)
     if impl != AUTO or name == "xla":

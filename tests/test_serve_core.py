@@ -6,8 +6,8 @@ step fails."""
 import asyncio
 
 import pytest
-
 from engine_fakes import fake_backend
+
 from paged_jax import LLM, SamplingParams
 from paged_jax.serve.async_engine import AsyncEngine
 from paged_jax.serve.core import EngineCore, EngineError, Overloaded

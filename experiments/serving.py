@@ -218,9 +218,12 @@ def engine_options(quick: bool) -> dict:
                 max_model_len=256, dtype="float32", enable_prefix_caching=False)
 
 
-def ours_command(model: str, port: int, options: dict) -> list[str]:
+def ours_command(model: str, port: int, options: dict, engine_process: bool | None = None) -> list[str]:
+    """Our server's command line; ``engine_process`` None: the server's default engine placement."""
     cmd = [sys.executable, "-m", "paged_jax.serve", model, "--port", str(port), "--served-model-name", NAME,
            "--log-level", "warning", "--max-waiting", "100000"]
+    if engine_process is not None:
+        cmd.append("--engine-process" if engine_process else "--no-engine-process")
     for k, v in options.items():
         flag = "--" + k.replace("_", "-")
         cmd += [flag if v else "--no-" + flag[2:]] if isinstance(v, bool) else [flag, str(v)]
@@ -314,13 +317,19 @@ def engine_alone(model: str, options: dict, requests):
 
 
 def process_cpu_s(pid: int) -> float | None:
-    """CPU seconds every thread of process ``pid`` has run (Linux ``/proc/PID/task/*/schedstat``,
-    nanoseconds), or None where that is not readable."""
-    total = 0
+    """CPU seconds every thread of process ``pid`` and of its descendants (the server's engine
+    process) has run (Linux ``/proc/PID/task/*/schedstat``, nanoseconds), or None where that is
+    not readable."""
+    total, todo, seen = 0, [pid], set()
     try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-                total += int(f.read().split()[0])
+        while todo:
+            p = todo.pop()
+            seen.add(p)
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/schedstat") as f:
+                    total += int(f.read().split()[0])
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split() if int(c) not in seen]
     except (OSError, ValueError, IndexError):
         return None
     return total / 1e9
@@ -520,7 +529,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--vllm-bench-rates", type=float, nargs="*", default=None,
                    help="rates at which vLLM's own client also runs against our server (default: 1 and the "
                         "highest rate; none with --quick); needs the vLLM side venv")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="our server's engine in its own process, or on a thread of the server (default: the "
+                        "server's default)")
+    p.add_argument("--overhead-only", action="store_true",
+                   help="only the paired per-request overhead on --overhead-model (its own server; no rates, "
+                        "no vLLM): the A/B measurement of server changes; JSON serving_overhead.json")
     args = p.parse_args(argv)
+    if args.overhead_only:
+        return overhead_only(args)
     quick = args.quick
     rates = args.request_rate or ([1.0, 8.0] if quick else [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0])
     if 1.0 not in rates:
@@ -549,7 +566,7 @@ def main(argv: list[str] | None = None) -> dict:
         return got
 
     print("paged_jax server:")
-    ours = sweep(ours_command(args.model, _free_port(), options), rates, requests, args.burstiness, slo,
+    ours = sweep(ours_command(args.model, _free_port(), options, args.engine_process), rates, requests, args.burstiness, slo,
                  during=during_ours)
     got = ours.pop("during")
     load = {"ours": ours.pop("loadavg")}
@@ -558,7 +575,7 @@ def main(argv: list[str] | None = None) -> dict:
         overhead_ms = got["overhead"]
     else:  # its own server on the overhead model, alone on this machine
         print(f"paged_jax server on {_shown(args.overhead_model)} for the per-request overhead:")
-        oh = sweep(ours_command(args.overhead_model, _free_port(), options), [], oh_requests, args.burstiness, slo,
+        oh = sweep(ours_command(args.overhead_model, _free_port(), options, args.engine_process), [], oh_requests, args.burstiness, slo,
                    during=lambda url, pid: paired_overhead(url, baseline, oh_requests, repeats, pid))
         overhead_ms = oh.pop("during")
         load["overhead"] = oh.pop("loadavg")
@@ -652,6 +669,35 @@ def main(argv: list[str] | None = None) -> dict:
     }
     write_json(args.out, "serving", result)
     _plot(args.out, ours, vllm)
+    return result
+
+
+def overhead_only(args) -> dict:
+    """``--overhead-only``: the paired overhead alone (``paired_overhead``), its server on
+    ``--overhead-model`` with the study's options; ``--num-prompts`` requests (default 8
+    quick, else 16), ``--overhead-repeats`` passes."""
+    quick = args.quick
+    num = args.num_prompts or (8 if quick else 16)
+    requests = workload(args.overhead_model, num, args.min_out, args.max_out or (16 if quick else 64))
+    options = engine_options(quick)
+    repeats = args.overhead_repeats or (1 if quick else 3)
+    baseline = engine_alone(args.overhead_model, options, requests)
+    mode = {None: "default", True: "process", False: "thread"}[args.engine_process]
+    print(f"paged_jax server ({mode} engine) on {_shown(args.overhead_model)}: {num} prompts x {repeats}, outputs "
+          f"{min(m for _, m in requests)}-{max(m for _, m in requests)} tokens")
+    got = sweep(ours_command(args.overhead_model, _free_port(), options, args.engine_process), [], requests, 1.0,
+                (args.slo_ttft, args.slo_tpot),
+                during=lambda url, pid: paired_overhead(url, baseline, requests, repeats, pid))
+    oh = got["during"]
+    print(f"  server overhead per request: p50 {oh['p50']:.2f} ms (iqr {oh['iqr'][0]:.2f}-{oh['iqr'][1]:.2f}), "
+          f"CPU p50 {oh['cpu_ms_p50'] or float('nan'):.2f} ms, engine alone {oh['engine_e2e_ms_p50']:.1f} ms, "
+          f"through the server {oh['server_e2e_ms_p50']:.1f} ms ({oh['pairs']} pairs)")
+    result = {"study": "serving_overhead", "machine": machine_info(),
+              "config": {"model": _shown(args.overhead_model), "engine": mode, "num_prompts": num, "repeats": repeats,
+                         "engine_options": options, "output_tokens": [m for _, m in requests]},
+              "server_overhead": oh, "loadavg_1_5_15_min": got["loadavg"],
+              "headline": {"server_overhead_ms_p50": oh["p50"], "server_cpu_overhead_ms_p50": oh["cpu_ms_p50"]}}
+    write_json(args.out, "serving_overhead", result)
     return result
 
 

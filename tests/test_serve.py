@@ -1,8 +1,10 @@
 """The OpenAI-compatible server with real clients on localhost: the official ``openai``
 package (sync and async) and httpx, against a server the test starts on 127.0.0.1 at a
-free port (uvicorn in a thread). Outputs through the server equal ``LLM.generate`` /
-``LLM.chat`` on the same LLM; a dropped client leaves no block allocated; bad inputs get
-their 4xx in OpenAI's error shape. Every wait is bounded."""
+free port (uvicorn in a thread), with the engine core on a thread ("thread": the ``LLM``
+the test holds) or in its own process ("process": an ``LLM`` built there from the same
+options). Outputs through the server equal ``LLM.generate`` / ``LLM.chat``; a dropped
+client leaves no block allocated; bad inputs get their 4xx in OpenAI's error shape. Every
+wait is bounded."""
 
 import asyncio
 import json
@@ -20,7 +22,7 @@ httpx = pytest.importorskip("httpx")
 from engine_fakes import fake_backend  # noqa: E402
 
 from paged_jax import LLM, SamplingParams  # noqa: E402
-from paged_jax.serve import start_in_thread  # noqa: E402
+from paged_jax.serve import AsyncEngine, ProcessEngine, start_in_thread  # noqa: E402
 
 TEXT = os.path.join(os.path.dirname(__file__), "fixtures", "llama_text")
 KW = dict(block_size=8, num_gpu_blocks=96, max_num_seqs=8, max_model_len=96, max_num_batched_tokens=64)
@@ -45,11 +47,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 EXTRA = {"ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def served():
+@pytest.fixture(scope="module", params=["thread", "process"])
+def served(request):
     llm = LLM(TEXT, **KW)
     want = [o.outputs[0].text for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    server = start_in_thread(llm, model_name=NAME, api_key=KEY)
+    if request.param == "thread":
+        server = start_in_thread(llm, model_name=NAME, api_key=KEY)
+    else:  # the server's engine is another LLM, in the child; llm is the reference
+        server = start_in_thread(engine=ProcessEngine(TEXT, KW, warmup=False), model_name=NAME, api_key=KEY)
     try:
         yield llm, server, want
     finally:
@@ -68,14 +73,20 @@ def _metric(server, name: str) -> float:
     raise KeyError(name)
 
 
-def _wait_idle(llm, server, timeout=TIMEOUT):
-    """Until the engine has nothing running or held; then the block manager as the device has it."""
+def _assert_idle(llm, server, timeout=TIMEOUT):
+    """Wait until the engine has nothing running or held, then check no block is held: as
+    the device has it (thread: the engine thread is parked, nothing steps meanwhile) or as
+    the child's ``usage()`` reports it (process)."""
     assert server.engine.wait_idle(timeout), "the engine did not go idle"
     deadline = time.monotonic() + timeout
     while _metric(server, "paged_jax:kv_cache_blocks_used") != 0:
         assert time.monotonic() < deadline, "blocks still used"
         time.sleep(0.05)
-    return llm.inspect()  # the engine thread is parked: nothing steps meanwhile
+    u = server.engine.usage()
+    assert u.blocks_used == 0 and u.running == u.waiting == u.swapped == 0, u
+    if isinstance(server.engine, AsyncEngine):
+        cache = llm.inspect()
+        assert cache.idle and cache.num_free == cache.num_blocks and not cache.rows
 
 
 def test_completions_stream_and_not_equal_generate(served):
@@ -96,7 +107,7 @@ def test_completions_stream_and_not_equal_generate(served):
 def test_chat_stream_and_not_equal_llm_chat(served):
     llm, server, _ = served
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me of the sea."}]
-    # The server's engine thread owns llm while serving: the reference renders the same prompt.
+    # The server's engine owns its LLM while serving: the reference renders the same prompt.
     ids = llm.get_tokenizer().encode(llm.chat_prompt(messages), add_special_tokens=False)
     c = _client(server)
     r = c.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0, extra_body=EXTRA)
@@ -168,8 +179,7 @@ def test_64_concurrent_clients_equal_generate(served):
 
     got = asyncio.run(main())
     assert got == want
-    cache = _wait_idle(llm, server)
-    assert cache.idle and cache.num_free == cache.num_blocks
+    _assert_idle(llm, server)
     assert _metric(server, "paged_jax:time_to_first_token_seconds_count") >= 64
 
 
@@ -185,8 +195,7 @@ def test_a_dropped_client_frees_its_blocks(served):
         got = [line for line in (next(lines) for _ in range(6)) if line.startswith("data:")]
         assert got and json.loads(got[0][5:])["choices"]
     # the connection is closed mid-stream: the server aborts the request
-    cache = _wait_idle(llm, server)
-    assert cache.idle and cache.num_free == cache.num_blocks and not cache.rows
+    _assert_idle(llm, server)
     assert _metric(server, "paged_jax:request_aborted_total") == aborted + 1
     # and serves the next client as before
     r = _client(server).completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=8, temperature=0,

@@ -1,6 +1,8 @@
 """``python -m paged_jax.serve`` as a user runs it: a subprocess on 127.0.0.1, LLM options
 on the command line, the openai client against it, and SIGTERM draining a stream in flight
-(it runs to its end, then the process exits by the signal, as uvicorn does, with no traceback). Slow: a fresh process loads and compiles."""
+(it runs to its end, then the process exits by the signal, as uvicorn does, with no
+traceback), with the engine in its own process (the default; that process is gone too once
+the server exits) or on a thread. Slow: a fresh process loads and compiles."""
 
 import json
 import os
@@ -26,12 +28,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 @pytest.mark.slow
-def test_cli_serves_the_openai_client_and_sigterm_drains():
+@pytest.mark.parametrize("engine", ["--engine-process", "--no-engine-process"])
+def test_cli_serves_the_openai_client_and_sigterm_drains(engine):
     port = _free_port()
     cmd = [sys.executable, "-m", "paged_jax.serve", TEXT, "--port", str(port), "--served-model-name", "tiny",
            "--block-size", "8", "--num-gpu-blocks", "64", "--max-num-seqs", "4", "--max-model-len", "96",
-           "--no-enable-prefix-caching", "--no-warmup", "--log-level", "warning"]
+           "--no-enable-prefix-caching", "--no-warmup", "--log-level", "warning", engine]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -46,6 +70,9 @@ def test_cli_serves_the_openai_client_and_sigterm_drains():
                 pass
             assert time.monotonic() < deadline, "the server did not come up"
             time.sleep(0.5)
+        children = _children(proc.pid)  # the engine process (and multiprocessing's resource tracker)
+        engines = [c for c in children if "resource_tracker" not in _cmdline(c)]
+        assert len(engines) == (1 if engine == "--engine-process" else 0), [_cmdline(c) for c in children]
         c = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=120, max_retries=0)
         r = c.completions.create(model="tiny", prompt="The little lighthouse", max_tokens=6, temperature=0)
         assert r.usage.completion_tokens <= 6 and r.model == "tiny"
@@ -61,6 +88,10 @@ def test_cli_serves_the_openai_client_and_sigterm_drains():
         # uvicorn re-raises the signal once it has shut down gracefully: the process ends by it
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
         assert "Traceback" not in proc.stdout.read()
+        deadline = time.monotonic() + 30  # the resource tracker exits once it sees its parent's pipe close
+        while not all(_gone(child) for child in children):
+            assert time.monotonic() < deadline, [_cmdline(c) for c in children if not _gone(c)]
+            time.sleep(0.1)
     finally:
         if proc.poll() is None:
             proc.kill()

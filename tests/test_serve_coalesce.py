@@ -27,8 +27,8 @@ EXTRA = {"ignore_eos": True}
 
 
 class LaggingEngine(AsyncEngine):
-    """Hands the loop the outputs of three steps at once (each step's list in order, in one
-    loop iteration), as if the consumer had fallen three steps behind."""
+    """Hands the loop the reports of three steps at once (each step's outputs in order, in
+    one loop iteration), as if the consumer had fallen three steps behind."""
 
     every = 3
 
@@ -36,14 +36,13 @@ class LaggingEngine(AsyncEngine):
         super().__init__(llm, **kw)
         self._held, self._steps = [], 0
 
-    def _deliver(self, outputs) -> None:
-        self._held.append(outputs)
+    def _on_reports(self, reports) -> None:
+        self._held.extend(reports)
         self._steps += 1
-        if self._steps % self.every and not any(o.finished for o in outputs):
+        if self._steps % self.every and not any(o.finished for r in reports for o in r.outputs):
             return
         held, self._held = self._held, []
-        for outs in held:
-            super()._deliver(outs)
+        super()._on_reports(held)
 
 
 @pytest.fixture(scope="module")

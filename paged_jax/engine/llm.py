@@ -38,36 +38,14 @@ from paged_jax.engine.sequence import SequenceGroup
 from paged_jax.engine.stats import merged_summary
 
 
-class LLM:
-    """An offline engine: continuous batching over a paged (or static) KV cache.
+class LLMInfo:
+    """What an ``LLM`` is, without its engines: every answer here is read from its
+    ``EngineConfig`` (tokenizer, limits, defaults, chat rendering), so a process that only
+    talks to an engine elsewhere (the server's HTTP side with the engine in its own
+    process, ``paged_jax.serve.engine_process``) answers exactly as the ``LLM`` would."""
 
-    ``LLM(model, **kwargs)``: every keyword is an ``EngineArgs`` field (its docstring says
-    what each means). With ``data_parallel_size`` d > 1 (or a mesh whose "data" axis is),
-    d engines run side by side, each with its own pool, block manager and scheduler, and
-    ``data_parallel_policy`` routes requests; outputs come back in prompt order whichever
-    replica ran them.
-
-    JAX's persistent compilation cache is turned on (``paged_jax.compilation_cache``:
-    ``~/.cache/paged_jax/jax``; ``PAGED_JAX_COMPILATION_CACHE=<dir>`` or ``=0``), so a
-    second process does not compile the engine's programs again.
-    """
-
-    def __init__(self, model, **kwargs):
-        self.config: EngineConfig = EngineArgs(model=model, **kwargs).create_engine_config()
-        enable_compilation_cache()
-        if (pressure := mappings_pressure()) is not None:
-            warnings.warn(pressure, stacklevel=2)
-        self.engines = [LLMEngine.from_config(self.config, mesh) for mesh in self.config.parallel.replica_meshes()]
-        self.router = Router(self.config.parallel.data_parallel_policy, len(self.engines))
-        self._next_request = 0
-        self._streamed: dict[str, SequenceGroup] = {}  # add_request's, until step() reports them done
-
-    # ------------------------------------------------------------------ what it is
-
-    @property
-    def engine(self) -> LLMEngine:
-        """The engine (the first replica's, with several)."""
-        return self.engines[0]
+    def __init__(self, config: EngineConfig):
+        self.config = config
 
     @property
     def tokenizer(self):
@@ -106,14 +84,6 @@ class LLM:
     def speculative(self):
         return self.config.speculative
 
-    @property
-    def backend(self):
-        return self.engine.runner.backend
-
-    @property
-    def data_parallel_size(self) -> int:
-        return len(self.engines)
-
     def get_tokenizer(self):
         """The model's ``paged_jax.text.Tokenizer`` (None without one): ``encode``,
         ``decode``, ``apply_chat_template``, and the raw HF tokenizer as ``.backend``."""
@@ -125,6 +95,61 @@ class LLM:
         else ``SamplingParams()`` (vLLM's ``LLM.get_default_sampling_params``)."""
         fields = {f.name for f in dataclasses.fields(SamplingParams)}
         return SamplingParams(**{k: v for k, v in self.generation_defaults.sampling.items() if k in fields})
+
+    def chat_prompt(self, conversation: list[dict], *, chat_template: str | None = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    chat_template_kwargs: dict | None = None) -> str:
+        """One conversation rendered as ``chat`` renders it (the text to encode without
+        special tokens); a server renders its chat requests with it."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer: this model has none (no tokenizer.json)")
+        text = self.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
+            chat_template=chat_template, **(chat_template_kwargs or {}))
+        if continue_final_message:  # cut the template's end-of-turn after the last message
+            last = conversation[-1]["content"]
+            text = text[: text.rindex(last) + len(last)]
+        return text
+
+
+class LLM(LLMInfo):
+    """An offline engine: continuous batching over a paged (or static) KV cache.
+
+    ``LLM(model, **kwargs)``: every keyword is an ``EngineArgs`` field (its docstring says
+    what each means). With ``data_parallel_size`` d > 1 (or a mesh whose "data" axis is),
+    d engines run side by side, each with its own pool, block manager and scheduler, and
+    ``data_parallel_policy`` routes requests; outputs come back in prompt order whichever
+    replica ran them.
+
+    JAX's persistent compilation cache is turned on (``paged_jax.compilation_cache``:
+    ``~/.cache/paged_jax/jax``; ``PAGED_JAX_COMPILATION_CACHE=<dir>`` or ``=0``), so a
+    second process does not compile the engine's programs again.
+    """
+
+    def __init__(self, model, **kwargs):
+        super().__init__(EngineArgs(model=model, **kwargs).create_engine_config())
+        enable_compilation_cache()
+        if (pressure := mappings_pressure()) is not None:
+            warnings.warn(pressure, stacklevel=2)
+        self.engines = [LLMEngine.from_config(self.config, mesh) for mesh in self.config.parallel.replica_meshes()]
+        self.router = Router(self.config.parallel.data_parallel_policy, len(self.engines))
+        self._next_request = 0
+        self._streamed: dict[str, SequenceGroup] = {}  # add_request's, until step() reports them done
+
+    # ------------------------------------------------------------------ what it is
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine (the first replica's, with several)."""
+        return self.engines[0]
+
+    @property
+    def backend(self):
+        return self.engine.runner.backend
+
+    @property
+    def data_parallel_size(self) -> int:
+        return len(self.engines)
 
     # ------------------------------------------------------------------ generate
 
@@ -205,21 +230,6 @@ class LLM:
         outs = self.generate([{"prompt_token_ids": i} for i in ids], sampling_params, use_tqdm=use_tqdm)
         return [dataclasses.replace(o, prompt=t) if isinstance(o, RequestOutput) else o
                 for o, t in zip(outs, prompts, strict=True)]
-
-    def chat_prompt(self, conversation: list[dict], *, chat_template: str | None = None,
-                    add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    chat_template_kwargs: dict | None = None) -> str:
-        """One conversation rendered as ``chat`` renders it (the text to encode without
-        special tokens); a server renders its chat requests with it."""
-        if self.tokenizer is None:
-            raise ValueError("chat needs a tokenizer: this model has none (no tokenizer.json)")
-        text = self.tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
-            chat_template=chat_template, **(chat_template_kwargs or {}))
-        if continue_final_message:  # cut the template's end-of-turn after the last message
-            last = conversation[-1]["content"]
-            text = text[: text.rindex(last) + len(last)]
-        return text
 
     # ------------------------------------------------------------------ requests
 

@@ -1,10 +1,14 @@
 """``python -m paged_jax.serve MODEL [--host 127.0.0.1] [--port 8000] [--api-key KEY]
-[--served-model-name NAME] [--max-waiting N] [any LLM option]``.
+[--served-model-name NAME] [--max-waiting N] [--no-engine-process] [any LLM option]``.
 
 Every ``EngineArgs`` field is an option with dashes (``--max-num-seqs 32``,
 ``--enable-prefix-caching``, ``--no-share-blocks``, ``--speculative-config '{"method":
 "ngram", "num_speculative_tokens": 4}'``): ints and floats as such, booleans as flags,
 dicts and policy arguments as JSON (else the string).
+
+By default the engine runs in a process of its own (``engine_process``), so the HTTP
+side's Python does not share a GIL with the engine step; ``--no-engine-process`` runs it
+on a thread of the server process instead.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import sys
 
 SWITCH_INTERVAL = 0.005  # Python's default
+ENGINE_PROCESS = True  # measured: docs/results/notes/serving.md
 _SERVER_ONLY = ("model", "mesh")  # not options: the positional model; a Mesh has no command-line form
 
 
@@ -54,6 +59,9 @@ def parser() -> argparse.ArgumentParser:
                    default=float(os.environ.get("PAGED_JAX_SWITCH_INTERVAL", SWITCH_INTERVAL)),
                    help="sys.setswitchinterval for the server process, s: how long the HTTP loop can wait "
                         "for the GIL while the engine thread holds it (Python's default is 0.005)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=ENGINE_PROCESS,
+                   help="run the engine in its own process (else on a thread of the server process, sharing "
+                        "its GIL with the HTTP side)")
     engine = p.add_argument_group("engine (LLM / EngineArgs options)")
     for f in dataclasses.fields(EngineArgs):
         if f.name in _SERVER_ONLY:
@@ -77,11 +85,21 @@ def main(argv: list[str] | None = None) -> None:
     if not args.switch_interval > 0:
         raise ValueError(f"--switch-interval {args.switch_interval}: must be > 0")
     sys.setswitchinterval(args.switch_interval)
+    app_kw = dict(log_level=args.log_level, model_name=args.served_model_name or args.model, api_key=args.api_key,
+                  max_waiting=args.max_waiting)
+    if args.engine_process:
+        from paged_jax.serve.engine_process import ProcessEngine
+
+        engine = ProcessEngine(args.model, engine_kw, warmup=not args.no_warmup, max_waiting=args.max_waiting)
+        try:
+            serve(None, args.host, args.port, engine=engine, **app_kw)
+        finally:
+            engine.shutdown()  # already stopped after a drain; here for a server that failed to start
+        return
     llm = LLM(args.model, **engine_kw)
     if not args.no_warmup:
         llm.warmup(use_tqdm=False)
-    serve(llm, args.host, args.port, log_level=args.log_level, model_name=args.served_model_name or args.model,
-          api_key=args.api_key, max_waiting=args.max_waiting)
+    serve(llm, args.host, args.port, **app_kw)
 
 
 if __name__ == "__main__":

@@ -25,19 +25,24 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from paged_jax.serve import protocol as P
-from paged_jax.serve.async_engine import AsyncEngine, EngineError, Overloaded
+from paged_jax.serve.async_engine import AsyncEngine, EngineClient, EngineError, Overloaded
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's for /v1/completions
 DRAIN_SECONDS = 30.0
 
 
-def build_app(llm, *, model_name: str | None = None, api_key: str | None = None, max_waiting: int = 512,
-              engine: AsyncEngine | None = None) -> FastAPI:
+def build_app(llm=None, *, model_name: str | None = None, api_key: str | None = None, max_waiting: int = 512,
+              engine: EngineClient | None = None) -> FastAPI:
     """The app serving ``llm`` as ``model_name`` (default: the model argument ``LLM`` got,
-    as vLLM names it). The engine thread starts with the app (its lifespan) and, at
-    shutdown, new requests are refused while the running ones finish (up to
-    ``DRAIN_SECONDS``). ``app.state.engine`` is the ``AsyncEngine``."""
+    as vLLM names it), from an ``AsyncEngine`` (the engine core on a thread) unless
+    ``engine`` is given (e.g. an ``engine_process.ProcessEngine``: then ``llm`` may be None,
+    everything about the model is read from ``engine.model``). The engine starts with the
+    app (its lifespan) and, at shutdown, new requests are refused while the running ones
+    finish (up to ``DRAIN_SECONDS``). ``app.state.engine`` is the engine."""
+    if engine is None and llm is None:
+        raise ValueError("build_app needs an LLM or an engine")
     engine = engine or AsyncEngine(llm, max_waiting=max_waiting)
+    llm = engine.model  # the LLM, or an LLMInfo of one in another process: the same answers
     name = model_name or str(getattr(llm.config.model.source, "name", None) or "paged_jax")
     tokenizer = llm.get_tokenizer()
     defaults = llm.get_default_sampling_params()
@@ -389,7 +394,7 @@ def build_app(llm, *, model_name: str | None = None, api_key: str | None = None,
     @app.get("/health")
     async def health():
         if not engine.alive:
-            return JSONResponse(P.ApiError(503, "the engine thread is not running").body(), status_code=503)
+            return JSONResponse(P.ApiError(503, "the engine is not running").body(), status_code=503)
         return Response(status_code=200)
 
     @app.get("/metrics")

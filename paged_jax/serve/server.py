@@ -4,7 +4,7 @@ notebooks and studies), both on uvicorn.
 
 SIGTERM (and Ctrl-C) drain: uvicorn stops accepting connections, the engine refuses new
 requests (503), in-flight requests finish (up to ``app.DRAIN_SECONDS``), then the engine
-thread stops.
+(its thread, or its process) stops.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve(llm, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info", **app_kw) -> None:
-    """Serve ``llm`` until SIGTERM/SIGINT (``build_app``'s keywords pass through)."""
+def serve(llm=None, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info", **app_kw) -> None:
+    """Serve ``llm`` (or ``engine=``, ``build_app``'s keywords pass through) until SIGTERM/SIGINT."""
     app = build_app(llm, **app_kw)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=60)
     _Server(config, app.state.engine).run()
@@ -60,8 +60,8 @@ class RunningServer:
         self.stop()
 
 
-def start_in_thread(llm, *, timeout: float = 30.0, log_level: str = "warning", **app_kw) -> RunningServer:
-    """Start a server for ``llm`` on 127.0.0.1 at a free port (the socket is bound here, so
+def start_in_thread(llm=None, *, timeout: float = 30.0, log_level: str = "warning", **app_kw) -> RunningServer:
+    """Start a server for ``llm`` (or ``engine=``: ``build_app``'s keywords pass through) on 127.0.0.1 at a free port (the socket is bound here, so
     no other process can take the port in between); returns once it accepts connections
     (TimeoutError after ``timeout`` seconds)."""
     app = build_app(llm, **app_kw)

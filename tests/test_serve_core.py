@@ -1,0 +1,100 @@
+"""The engine core (``serve/core.py``) on the fake model, without HTTP: what it reports for
+adds, finishes, aborts, a refused add, a step that raises and a stop, as both the thread
+and the process mode rely on; and the thread mode's streams raising ``EngineError`` when a
+step fails."""
+
+import asyncio
+
+import pytest
+from engine_fakes import fake_backend
+
+from paged_jax import LLM, SamplingParams
+from paged_jax.serve.async_engine import AsyncEngine
+from paged_jax.serve.core import EngineCore, EngineError, Overloaded
+
+GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+
+@pytest.fixture
+def llm():
+    return LLM(fake_backend(4), block_size=4, num_gpu_blocks=32, max_model_len=32, max_num_seqs=2,
+               max_num_batched_tokens=16)
+
+
+def _run(core, script):
+    """Feed ``script`` (a list of command batches, one per ``commands`` call; then stop) to
+    ``core.run``; the reports it sent."""
+    reports, batches = [], list(script)
+
+    def commands(timeout):
+        return batches.pop(0) if batches else [("stop",)]
+
+    core.run(commands, reports.append)
+    return reports
+
+
+def _fail_next_step(llm):
+    """The engine's next step raises inside (the engine resets itself, as for any error)."""
+    engine, real = llm.engine, llm.engine._step
+
+    def broken():
+        engine._step = real
+        raise RuntimeError("boom")
+
+    engine._step = broken
+
+
+def test_reports_outputs_finish_and_idle(llm):
+    core = EngineCore(llm)
+    reports = _run(core, [[("add", "a", [1, 2, 3], GREEDY), ("add", "b", [4, 5], GREEDY)]] + [[]] * 8)
+    assert reports[0].applied == 2 and reports[0].adds == 2 and not reports[0].idle
+    finals = {o.request_id: o for r in reports for o in r.outputs if o.finished}
+    want = llm.generate([[1, 2, 3], [4, 5]], GREEDY, use_tqdm=False)
+    assert [finals[k].outputs[0].token_ids for k in "ab"] == [w.outputs[0].token_ids for w in want]
+    done = next(i for i, r in enumerate(reports) if r.idle)
+    assert reports[done].usage.blocks_used == 0 and not core.live
+    assert reports[-1].failed == (reports[-1].failed[0], []) and isinstance(reports[-1].failed[0], Overloaded)
+
+
+def test_abort_drops_its_outputs_and_releases_its_blocks(llm):
+    core = EngineCore(llm)
+    reports = _run(core, [[("add", "a", [1, 2, 3], GREEDY)], [("abort", "a")], []])
+    assert reports[0].outputs and reports[0].usage.blocks_used > 0
+    assert reports[1].applied == 1 and not reports[1].outputs  # the abort's step: nothing reported for "a"
+    assert reports[1].idle and reports[1].usage.blocks_used == 0
+
+
+def test_a_refused_add_is_reported_and_a_failed_step_fails_the_live_requests(llm):
+    core = EngineCore(llm)
+    long = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    reports = _run(core, [[("add", "a", [1, 2], long)], [("add", "a", [3], long)]])  # "a" again: refused
+    assert reports[1].rejected[0][0] == "a" and isinstance(reports[1].rejected[0][1], ValueError)
+    assert reports[-1].failed[1] == ["a"] and isinstance(reports[-1].failed[0], Overloaded)  # the stop
+
+    core = EngineCore(llm)
+    _fail_next_step(llm)
+    reports = _run(core, [[("add", "b", [1, 2], long)], [("add", "c", [3, 4], GREEDY)], [], [], [], [], [], []])
+    error, ids = reports[0].failed
+    assert isinstance(error, EngineError) and "boom" in str(error) and ids == ["b"] and core.errors == 1
+    assert reports[0].idle and reports[0].usage.blocks_used == 0
+    assert any(o.request_id == "c" and o.finished for r in reports for o in r.outputs)  # the next one runs
+
+
+def test_thread_engine_streams_raise_engine_error_when_a_step_fails(llm):
+    engine = AsyncEngine(llm).start()
+
+    async def main():
+        _fail_next_step(llm)
+        with pytest.raises(EngineError, match="boom"):
+            async for _ in engine.submit([1, 2, 3], GREEDY):
+                pass
+        outs = [o async for o in engine.submit([1, 2, 3], GREEDY)]
+        return outs[-1]
+
+    try:
+        last = asyncio.run(asyncio.wait_for(main(), 60))
+        assert last.finished and len(last.outputs[0].token_ids) == 5
+        assert engine.wait_idle(60) and engine.usage().blocks_used == 0
+    finally:
+        engine.shutdown()
+    assert not engine.alive

@@ -98,7 +98,8 @@ def prefill_shapes(area: int, max_rows: int, max_width: int | None = None) -> li
     padded tokens, and a lone chunk of ``n`` tokens costs at most ``max(16, 2n)``.
     """
     shapes = []
-    width = area if max_width is None else bucket(max_width, lo=MIN_PREFILL_WIDTH, cap=area)
+    # chunked prefill: no chunk is wider than the area, however long a row may grow
+    width = area if max_width is None else bucket(min(max_width, area), lo=MIN_PREFILL_WIDTH, cap=area)
     while width >= MIN_PREFILL_WIDTH:
         rows = 1
         while rows * width <= area and rows <= max_rows:

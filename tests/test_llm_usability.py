@@ -244,6 +244,21 @@ def test_warmup_compiles_what_a_plain_call_needs():
     assert dict(llm.engine.runner.traces) == before  # nothing new compiled by the call
 
 
+def test_warmup_with_rows_longer_than_the_token_budget():
+    """max_model_len above max_num_batched_tokens (chunked prefill): the widest prefill
+    shape is the budget, not the row length (warmup used to raise "exceeds the cap")."""
+    from paged_jax import buckets
+
+    assert buckets.prefill_shapes(64, 4, max_width=96)[0] == (1, 64)
+    assert buckets.prefill_shapes(64, 4, max_width=40)[0] == (1, 64)
+    assert buckets.prefill_shapes(64, 4, max_width=20)[0] == (1, 32)
+    llm = LLM(fake_backend(4), block_size=4, num_gpu_blocks=64, max_model_len=96, max_num_seqs=4,
+              max_num_batched_tokens=64)
+    shapes = llm.engine.runner.warmup_shapes()
+    assert max(w for name, (_, w) in shapes if name == "prefill") == 64
+    assert llm.warmup(use_tqdm=False) == len(shapes)
+
+
 @pytest.mark.slow
 def test_a_typical_first_call_compiles_at_most_four_programs():
     """A batch of prompts of mixed lengths, mixed greedy and sampled, outputs of mixed

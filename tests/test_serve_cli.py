@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+from proc_utils import gone
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
@@ -39,14 +40,6 @@ def _children(pid: int) -> list[int]:
 def _cmdline(pid: int) -> str:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         return f.read().replace(b"\0", b" ").decode()
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 @pytest.mark.slow
@@ -89,8 +82,8 @@ def test_cli_serves_the_openai_client_and_sigterm_drains(engine):
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
         assert "Traceback" not in proc.stdout.read()
         deadline = time.monotonic() + 30  # the resource tracker exits once it sees its parent's pipe close
-        while not all(_gone(child) for child in children):
-            assert time.monotonic() < deadline, [_cmdline(c) for c in children if not _gone(c)]
+        while not all(gone(child) for child in children):
+            assert time.monotonic() < deadline, [_cmdline(c) for c in children if not gone(c)]
             time.sleep(0.1)
     finally:
         if proc.poll() is None:

@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+from proc_utils import gone
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -28,18 +29,9 @@ TIMEOUT = 60.0
 BODY = {"model": "tiny", "prompt": "The sea", "max_tokens": 88, "temperature": 0, "ignore_eos": True}
 
 
-def _gone(pid: int) -> bool:
-    """No such process, or only its zombie (dead, not yet reaped by whoever adopted it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 def _wait_gone(pid: int, timeout: float = TIMEOUT) -> None:
     deadline = time.monotonic() + timeout
-    while not _gone(pid):
+    while not gone(pid):
         assert time.monotonic() < deadline, f"process {pid} is still alive"
         time.sleep(0.05)
 
@@ -112,7 +104,7 @@ def test_the_engine_process_exits_when_its_parent_dies(tmp_path):
                               text=True)
     try:
         child = int(parent.stdout.readline())
-        assert not _gone(child)
+        assert not gone(child)
         parent.kill()  # no clean-up runs: only the closed pipe tells the child
         parent.wait(TIMEOUT)
         _wait_gone(child)

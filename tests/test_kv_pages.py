@@ -123,6 +123,15 @@ def test_copy_blocks_all_layers_and_skips_padding_pairs():
     np.testing.assert_array_equal(np.asarray(out.v), want_v)
 
 
+def test_copy_blocks_with_no_valid_pair_leaves_every_block():
+    """All-padding pairs (the common step) take the no-copy branch: pages come back equal."""
+    pages = _random_pages()
+    pad = jnp.array([-1, N, -1], jnp.int32)
+    out = jax.jit(copy_blocks, donate_argnums=0)(_random_pages(), pad, jnp.array([0, -1, N], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(out.k), np.asarray(pages.k))
+    np.testing.assert_array_equal(np.asarray(out.v), np.asarray(pages.v))
+
+
 def test_read_write_blocks_round_trip_through_host():
     pages = _random_pages()
     ids = jnp.array([4, 1, -1], jnp.int32)

@@ -3,6 +3,7 @@ workload, summaries and agreement are checked on their own (no engine runs here)
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -44,6 +45,25 @@ def test_summary_and_agreement_arithmetic():
     a = peers.identical_share([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 0, 6]])
     assert (a["identical"], a["of"], a["identical_share"]) == (1, 2, 0.5)
     assert a["mean_common_prefix_share"] == pytest.approx((1 + 1 / 3) / 2)
+    assert a["differing"] == [{"prompt": 1, "first_difference": 1}]
+
+
+def test_recheck_runs_transformers_unbatched_on_the_differing_prompts_only(monkeypatch, tmp_path):
+    calls = []
+
+    def fake_run_peer(name, workload_path, out_path, timeout, env_extra=None):
+        with open(workload_path) as f:
+            w = json.load(f)
+        calls.append((name, w["prompts"], env_extra))
+        return {"tokens": [[7, 8], [0, 0]]}  # prompt 1 now agrees, prompt 3 still differs
+
+    monkeypatch.setattr(peers, "run_peer", fake_run_peer)
+    ours = [[1, 2], [7, 8], [3, 4], [5, 6]]
+    assert peers.recheck_unbatched(str(tmp_path), {"prompts": [[10], [11], [12], [13]]}, ours, ours, 60) is None
+    theirs = [[1, 2], [7, 9], [3, 4], [5, 5]]
+    r = peers.recheck_unbatched(str(tmp_path), {"prompts": [[10], [11], [12], [13]]}, ours, theirs, 60)
+    assert calls == [("transformers", [[11], [13]], {"PEERS_HF_BATCH": "1"})]
+    assert (r["now_identical"], r["of"], r["still_differing"]) == (1, 2, [3])
 
 
 def test_unknown_peer_is_refused():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -55,9 +56,7 @@ def decode_hlo(rep) -> str:
 def pool_copies(text: str, pages) -> list[str]:
     """Copies or converts of a whole page leaf (one device's shard) in ``text``."""
     shapes = {tuple(x.addressable_shards[0].data.shape) for x in jax.tree.leaves(pages)}
-    marks = ["[" + ",".join(map(str, s)) + "]" for s in shapes]
-    return [line.strip()[:160] for line in text.splitlines()
-            if any(m in line.split("=", 1)[-1][:60] for m in marks) and (" copy(" in line or "convert" in line)]
+    return hlo.copies(text, "|".join(re.escape("[" + ",".join(map(str, s)) + "]") for s in shapes))
 
 
 def run_grid(out: dict) -> None:

@@ -12,6 +12,7 @@ in this process.
 import fcntl
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -291,6 +292,23 @@ ENTRY %main (a: f32[8,64]) -> f32[8,64] {
     assert s["all-reduce"] == {"ops": 1, "runs": 3, "bytes": 3 * 8 * 64 * 4}
     assert s["all-gather"] == {"ops": 1, "runs": 1, "bytes": 16 * 64 * 4}
     assert s["bytes_per_call"] == 3 * 8 * 64 * 4 + 16 * 64 * 4
+
+
+def test_hlo_reader_finds_copies_of_a_shape_but_not_their_users():
+    text = """ENTRY %main (a: f32[2,48,4]) -> f32[2,48,4] {
+  %copy.1 = f32[2,48,4]{2,1,0} copy(%a)
+  %convert.2 = bf16[2,48,4]{2,1,0} convert(%a)
+  %copy_fusion = f32[2,48,4]{2,1,0} fusion(%a), kind=kLoop, calls=%fused_copy
+  %fusion.3 = s8[2,48,4]{2,1,0} fusion(%a), kind=kLoop, calls=%wrapped_convert_computation
+  %copy.4 = f32[2,8,4]{2,1,0} copy(%b)
+  %conditional.5 = (f32[2,48,4]{2,1,0}) conditional(%reduce_convert_fusion.2, %t), branch_computations={%x, %y}
+  %fusion.6 = f32[2,48,4]{2,1,0} fusion(%convert.2), kind=kLoop, calls=%fused_add
+  ROOT %r = f32[2,48,4]{2,1,0} add(%copy.1, %copy.1)
+}
+"""
+    found = hlo.copies(text, re.escape("[2,48,4]"))
+    assert [line.split(" =")[0] for line in found] == ["%copy.1", "%convert.2", "%copy_fusion", "%fusion.3"]
+    assert hlo.copies(text, re.escape("[2,9,4]")) == []
 
 
 # --------------------------------------------------------------------------- the study

@@ -5,6 +5,8 @@ reduce-scatter, all-to-all, collective-permute; async ``-start`` forms included)
 result shape, bytes, and how many times it runs per call: ops inside a ``while`` body run
 once per trip (XLA records a loop's ``known_trip_count``; the layer scan's is the depth),
 so ``bytes_per_call`` is the traffic of one call (a decode step), per device.
+``copies(text, shape)`` lists the instructions that copy or convert a whole array of a
+given shape (a KV pool that should stay in place).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16
                 "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = (.+?) (" + "|".join(KINDS) + r")(?:-start)?\(")
+_ANY_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|\S+) ([\w\-]+)\((.*)$")
+_WRAPPED_COPY = re.compile(r"calls=%wrapped_(?:bitcast-)?(?:convert|copy)")
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _WHILE = re.compile(r" while\(.*?body=%([\w.\-]+)")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
@@ -102,3 +106,23 @@ def summary(text: str) -> dict:
         out[c.kind]["bytes"] += c.bytes * c.runs
     out["bytes_per_call"] = sum(c.bytes * c.runs for c in found)
     return out
+
+
+def copies(text: str, shape: str) -> list[str]:
+    """Instructions of ``text`` whose result type matches the regex ``shape`` (e.g.
+    ``r"\\[2,2,48,16\\]"``) and that copy or convert it: a ``copy`` or ``convert``, or a
+    fusion named after one or calling a wrapped one. Operands do not count: a
+    ``conditional`` on ``%reduce_convert_fusion`` returning the pool copies nothing.
+    Returns the lines, stripped and cut to 160 characters."""
+    wanted = re.compile(shape)
+    found = []
+    for line in text.splitlines():
+        match = _ANY_INSTRUCTION.match(line)
+        if not match:
+            continue
+        name, result, opcode, rest = match.groups()
+        copying = opcode in ("copy", "convert") or opcode == "fusion" and (
+            name.startswith(("copy", "convert")) or _WRAPPED_COPY.search(rest))
+        if copying and wanted.search(result):
+            found.append(line.strip()[:160])
+    return found

@@ -195,9 +195,10 @@ def identical_share(a: list[list[int]], b: list[list[int]]) -> dict:
 def recheck_unbatched(tmp: str, workload: dict, ours: list[list[int]], theirs: list[list[int]],
                       timeout: float) -> dict | None:
     """transformers again, one prompt at a time, on the prompts where its batched greedy
-    output differs from ours: left padding changes its kernels' reduction shapes, so a
-    near-tie can fall the other way. None when nothing differs; else how many of those
-    prompts now match ours (the rest are a disagreement of the two models' numerics)."""
+    output differs from ours: does batching (left padding changes its kernels' reduction
+    shapes) explain the difference? None when nothing differs; else how many of those
+    prompts now match ours. (The 2 of 64 this first found, 2026-12-04, were not batching but
+    the runner's ``min_new_tokens`` masking EOS; ``margins_at_differences`` showed it.)"""
     idx = [i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y]
     if not idx:
         return None
@@ -211,6 +212,37 @@ def recheck_unbatched(tmp: str, workload: dict, ours: list[list[int]], theirs: l
     now = [ours[i] == t for i, t in zip(idx, result["tokens"])]
     return {"prompts": idx, "batch": 1, "now_identical": int(sum(now)), "of": len(idx),
             "still_differing": [i for i, ok in zip(idx, now) if not ok]}
+
+
+def margins_at_differences(model: str, prompts: list[list[int]], ours: list[list[int]],
+                           theirs: list[list[int]], top: int = 20) -> list[dict]:
+    """Where a peer's fp32 greedy output leaves ours, how close the call was in our model:
+    for each differing prompt, our logprob of our token and of the peer's at the first
+    differing position (same prefix up to there), from our engine in this process (after
+    every timed run). A gap of a few 1e-3 nats is a near-tie that fp32 summation order
+    decides; a large one would be a bug. ``None`` for the peer's logprob when it is not in
+    our top ``top``."""
+    from paged_jax import LLM, SamplingParams
+
+    idx = [i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y]
+    if not idx:
+        return []
+    firsts = [next(k for k, (u, v) in enumerate(zip(ours[i], theirs[i])) if u != v) for i in idx]
+    llm = LLM(model, dtype="float32", seed=0)
+    outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in idx],
+                        [SamplingParams(temperature=0.0, max_tokens=k + 1, ignore_eos=True, logprobs=top)
+                         for k in firsts], use_tqdm=False)
+    found = []
+    for i, k, out in zip(idx, firsts, outs):
+        o = out.outputs[0]
+        step = o.logprobs[k]
+        mine, peer = ours[i][k], theirs[i][k]
+        lp_mine = step[mine].logprob if mine in step else None
+        lp_peer = step[peer].logprob if peer in step else None
+        found.append({"prompt": i, "position": k, "reproduced": list(o.token_ids) == ours[i][:k + 1],
+                      "ours": mine, "theirs": peer, "logprob_ours": lp_mine, "logprob_theirs": lp_peer,
+                      "gap_nats": None if lp_mine is None or lp_peer is None else lp_mine - lp_peer})
+    return found
 
 
 def headline_of(table: dict, dtypes: list[str]) -> dict:
@@ -293,6 +325,8 @@ def main(argv=None) -> dict:
                              "max_tokens": args.max_tokens, "kv_cache_bytes": int(args.kv_cache_gib * 2**30),
                              "max_model_len": 2048}
             recheck = recheck_unbatched(tmp, fp32_workload, tokens[fp32[0]], tokens[fp32[1]], args.timeout)
+            if recheck is not None:
+                recheck["margins"] = margins_at_differences(args.model, prompts, tokens[fp32[0]], tokens[fp32[1]])
         else:
             recheck = None
     agreement = {}
@@ -311,6 +345,10 @@ def main(argv=None) -> dict:
             a = agreement["paged_jax_vs_transformers/float32"]
             head["greedy_identical_share_vs_transformers_unbatched_recheck"] = (
                 (a["identical"] + recheck["now_identical"]) / a["of"])
+        gaps = [m["gap_nats"] for m in recheck.get("margins", [])]
+        if gaps:  # our logprob lead over transformers' token where it left us (None: outside our top 20)
+            head["fp32_largest_gap_nats_where_transformers_differs"] = (
+                None if None in gaps else max(gaps))
     print(f"\n{'engine':13s} {'dtype':9s} {'tok/s':>8s} {'tok/cpu-s':>9s} {'TTFT p50/p99 ms':>17s} {'TPOT p50/p99 ms':>17s} "
           f"{'first s':>8s} {'load s':>7s} {'peak GiB':>8s}")
     for r in rows:
@@ -327,6 +365,9 @@ def main(argv=None) -> dict:
         elif "now_identical" in v:
             print(f"{k}: transformers one prompt at a time on the {v['of']} prompts it differed on: "
                   f"{v['now_identical']}/{v['of']} now identical to ours")
+            for m in v.get("margins", []):
+                gap = "not in our top 20" if m["gap_nats"] is None else f"{m['gap_nats']:.2e} nats below ours"
+                print(f"  prompt {m['prompt']}, token {m['position']}: transformers' token {gap}")
     for k, v in skipped.items():
         print(f"skipped {k}: {v}")
     print_headline(head)

@@ -66,6 +66,26 @@ def test_recheck_runs_transformers_unbatched_on_the_differing_prompts_only(monke
     assert (r["now_identical"], r["of"], r["still_differing"]) == (1, 2, [3])
 
 
+def test_margins_measure_our_logprob_gap_where_a_peer_left_us():
+    """A peer that took our second choice at token 3 of prompt 1: the margin is our top-2
+    logprob gap there, on the prefix we share; identical prompts are not re-run."""
+    from paged_jax import LLM, SamplingParams
+
+    prompts = [[5, 9, 14, 3], [7, 7, 2, 30, 11]]
+    llm = LLM(FIXTURE, dtype="float32", seed=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2), use_tqdm=False)
+    ours = [list(o.outputs[0].token_ids) for o in outs]
+    step = outs[1].outputs[0].logprobs[3]
+    (first, lp1), (second, lp2) = sorted(((t, lp.logprob) for t, lp in step.items()), key=lambda x: -x[1])
+    assert first == ours[1][3]
+    theirs = [list(ours[0]), ours[1][:3] + [second] + ours[1][4:]]
+    assert peers.margins_at_differences(FIXTURE, prompts, ours, [list(x) for x in ours]) == []
+    (m,) = peers.margins_at_differences(FIXTURE, prompts, ours, theirs)
+    assert (m["prompt"], m["position"], m["reproduced"], m["ours"], m["theirs"]) == (1, 3, True, first, second)
+    assert m["gap_nats"] == pytest.approx(lp1 - lp2, abs=1e-5) and m["gap_nats"] >= 0
+
+
 def test_unknown_peer_is_refused():
     with pytest.raises(SystemExit):
         peers.main(["--peers", "llama.cpp"])

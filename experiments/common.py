@@ -17,11 +17,31 @@ def machine_info() -> dict:
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
+        **cpu_model(),
         "python": platform.python_version(),
         "jax": jax.__version__,
         "device": f"{device.platform}:{getattr(device, 'device_kind', '')}",
         "libraries": library_versions(),
     }
+
+
+# The instruction sets that decide which dtype is fast on an x86 CPU (XLA:CPU and oneDNN
+# dispatch on them): figures from two CPUs with and without them are not comparable.
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16")
+
+
+def cpu_model() -> dict:
+    """``{"cpu_model": name, "cpu_flags": [those of CPU_FLAGS present]}`` from /proc/cpuinfo
+    (empty where there is none, e.g. macOS)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return {}
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), None)
+    flags_line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    flags = set(flags_line.split(":", 1)[-1].split())
+    return {"cpu_model": name, "cpu_flags": [f for f in CPU_FLAGS if f in flags]}
 
 
 def library_versions() -> dict:

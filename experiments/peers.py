@@ -178,15 +178,23 @@ def summarize(result: dict, max_tokens: int) -> dict:
     }
 
 
+def first_difference(x: list[int], y: list[int]) -> int | None:
+    """The first position where two token lists differ (the shorter one's length when one
+    is a prefix of the other); None when they are equal."""
+    if x == y:
+        return None
+    return next((k for k, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+
+
 def identical_share(a: list[list[int]], b: list[list[int]]) -> dict:
     """Share of prompts whose tokens are identical, and the mean share of each output
     before the first difference."""
     same = [x == y for x, y in zip(a, b)]
     prefix, differing = [], []
     for i, (x, y) in enumerate(zip(a, b)):
-        k = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
-        prefix.append(k / max(len(x), 1))
-        if x != y:
+        k = first_difference(x, y)
+        prefix.append((len(x) if k is None else k) / max(len(x), 1))
+        if k is not None:
             differing.append({"prompt": i, "first_difference": k})
     return {"identical_share": float(np.mean(same)), "identical": int(sum(same)), "of": len(same),
             "mean_common_prefix_share": float(np.mean(prefix)), "differing": differing}
@@ -227,7 +235,7 @@ def margins_at_differences(model: str, prompts: list[list[int]], ours: list[list
     idx = [i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y]
     if not idx:
         return []
-    firsts = [next(k for k, (u, v) in enumerate(zip(ours[i], theirs[i])) if u != v) for i in idx]
+    firsts = [first_difference(ours[i], theirs[i]) for i in idx]
     llm = LLM(model, dtype="float32", seed=0)
     outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in idx],
                         [SamplingParams(temperature=0.0, max_tokens=k + 1, ignore_eos=True, logprobs=top)
@@ -282,9 +290,10 @@ def main(argv=None) -> dict:
     print(f"workload: {args.num_prompts} prompts (median {workload_info['median_len']:.0f}, max "
           f"{workload_info['max_len']} tokens) x {args.max_tokens} greedy tokens, ignore_eos", flush=True)
     rows, skipped, tokens, table = [], {}, {}, {}
+    workloads = {}
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.dtypes:
-            workload = {"model": os.path.abspath(args.model), "dtype": dtype, "prompts": prompts,
+            workload = workloads[dtype] = {"model": os.path.abspath(args.model), "dtype": dtype, "prompts": prompts,
                         "max_tokens": args.max_tokens, "kv_cache_bytes": int(args.kv_cache_gib * 2**30),
                         "max_model_len": 2048}
             path = os.path.join(tmp, f"workload_{dtype}.json")
@@ -321,10 +330,7 @@ def main(argv=None) -> dict:
                       f"load {summary['load_s']:.1f} s, peak {summary['peak_rss_gib']:.2f} GiB", flush=True)
         fp32 = ("paged_jax", "float32"), ("transformers", "float32")
         if all(k in tokens for k in fp32):
-            fp32_workload = {"model": os.path.abspath(args.model), "dtype": "float32", "prompts": prompts,
-                             "max_tokens": args.max_tokens, "kv_cache_bytes": int(args.kv_cache_gib * 2**30),
-                             "max_model_len": 2048}
-            recheck = recheck_unbatched(tmp, fp32_workload, tokens[fp32[0]], tokens[fp32[1]], args.timeout)
+            recheck = recheck_unbatched(tmp, workloads["float32"], tokens[fp32[0]], tokens[fp32[1]], args.timeout)
             if recheck is not None:
                 recheck["margins"] = margins_at_differences(args.model, prompts, tokens[fp32[0]], tokens[fp32[1]])
         else:

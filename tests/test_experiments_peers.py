@@ -46,6 +46,7 @@ def test_summary_and_agreement_arithmetic():
     assert (a["identical"], a["of"], a["identical_share"]) == (1, 2, 0.5)
     assert a["mean_common_prefix_share"] == pytest.approx((1 + 1 / 3) / 2)
     assert a["differing"] == [{"prompt": 1, "first_difference": 1}]
+    assert peers.first_difference([1, 2], [1, 2]) is None and peers.first_difference([1, 2], [1, 2, 3]) == 2
 
 
 def test_recheck_runs_transformers_unbatched_on_the_differing_prompts_only(monkeypatch, tmp_path):

@@ -24,6 +24,9 @@ def load(w):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(w["model"], dtype=getattr(torch, w["dtype"]))
+    # ignore_eos: no EOS, so nothing stops a row before max_new_tokens. On the model's own
+    # generation config: generate() fills a passed config's unset fields from it.
+    model.generation_config.eos_token_id = None
     return model.eval()
 
 
@@ -34,9 +37,6 @@ def run_pass(model, w):
     prompts, n = w["prompts"], w["max_tokens"]
     pad = model.generation_config.pad_token_id
     pad = 0 if pad is None else (pad[0] if isinstance(pad, list) else pad)
-    # ignore_eos: no EOS, so nothing stops a row before max_new_tokens. On the model's own
-    # generation config: generate() fills a passed config's unset fields from it.
-    model.generation_config.eos_token_id = None
     first, finish, tokens = [None] * len(prompts), [None] * len(prompts), [None] * len(prompts)
     t0, c0 = time.perf_counter(), common.tree_cpu_s(os.getpid())
 

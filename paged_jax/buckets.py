@@ -9,6 +9,9 @@ padding rows carry sequence id ``NO_SEQ``, which every block-manager op and step
 - ``decode_buckets`` / ``decode_rows``: decode batch sizes (powers of two from 8 by default).
 - ``prefill_shapes`` / ``plan_prefill``: prefill calls of power-of-two (rows, width) with
   bounded area.
+- ``packed_width`` / ``packed_shapes`` / ``pack_batch``: a packed call (every row's tokens
+  one after another, ``paged_jax.steps``): rows padded to a decode bucket, tokens to a
+  width that is the rows (a decode step) or a power of two.
 - ``pad_batch`` / ``pad_decode`` / ``pad_ids``: the padded arrays themselves.
 """
 
@@ -124,6 +127,58 @@ def plan_prefill(lengths: Sequence[int], area: int, max_rows: int) -> list[tuple
         order = order[len(take):]
         calls.append((bucket(len(take), cap=max_rows), width, take))
     return calls
+
+
+def packed_width(total: int, rows: int) -> int:
+    """Token width of a packed call of ``rows`` (padded) rows feeding ``total`` tokens:
+    ``rows`` when they fit (a decode step: one token per row), else the power of two
+    (>= ``MIN_PREFILL_WIDTH``) holding them. So a call computes less than 2x its tokens,
+    and the widths a batch of ``rows`` compiles are few (``packed_shapes``)."""
+    if total < 0 or rows < 1:
+        raise ValueError(f"a packed call of {total} tokens in {rows} rows")
+    return rows if total <= rows else bucket(total, lo=MIN_PREFILL_WIDTH)
+
+
+def packed_shapes(row_buckets: Sequence[int], max_tokens: int) -> list[tuple[int, int]]:
+    """Every ``(rows, width)`` a packed call may take when a step feeds at most
+    ``max_tokens`` tokens (``packed_width`` for each row bucket): each bucket's decode
+    shape, then the powers of two above it up to the one holding ``max_tokens``."""
+    shapes = []
+    top = bucket(max_tokens, lo=MIN_PREFILL_WIDTH)
+    for rows in row_buckets:
+        shapes.append((rows, rows))
+        width = bucket(rows + 1, lo=MIN_PREFILL_WIDTH)
+        while width <= top:
+            shapes.append((rows, width))
+            width *= 2
+    return shapes
+
+
+class PackedBatch(NamedTuple):
+    """A packed batch (numpy, ready for a model step): row b's tokens right after row b-1's."""
+
+    tokens: np.ndarray  # int32[width]; 0 past the last row's tokens
+    seq_ids: np.ndarray  # int32[rows]; NO_SEQ (-1) for padding rows
+    num_tokens: np.ndarray  # int32[rows]; 0 for padding rows
+    starts: np.ndarray  # int32[len(token_lists)]: where each given row's tokens start
+
+
+def pack_batch(seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]], *, rows: int,
+               width: int) -> PackedBatch:
+    """Pack rows' new tokens one after another into ``width`` slots, the rows padded to
+    ``rows`` (``packed_width`` chooses the width)."""
+    if len(seq_ids) != len(token_lists):
+        raise ValueError(f"{len(seq_ids)} seq_ids but {len(token_lists)} token lists")
+    lens = np.fromiter((len(x) for x in token_lists), np.int64, len(token_lists))
+    if len(seq_ids) > rows or lens.sum() > width:
+        raise ValueError(f"{len(seq_ids)} rows of {int(lens.sum())} tokens do not fit {rows} rows x {width} tokens")
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int32) if len(lens) else np.zeros(0, np.int32)
+    tokens = np.zeros(width, np.int32)
+    if len(lens):
+        tokens[: int(lens.sum())] = np.concatenate([np.asarray(x, np.int32) for x in token_lists])
+    num = np.zeros(rows, np.int32)
+    num[: len(lens)] = lens
+    return PackedBatch(tokens, pad_ids(seq_ids, rows), num, starts)
 
 
 def pad_ids(ids: Sequence[int], size: int) -> np.ndarray:

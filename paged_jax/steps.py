@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from paged_jax.attention.dispatch import resolve_impl
-from paged_jax.cache import NO_SEQ, CacheState, Status, append_slots
+from paged_jax.cache import NO_SEQ, NO_SLOT, CacheState, Status, append_slots
 from paged_jax.config import CacheConfig
 from paged_jax.kv.pages import KVPages, copy_blocks, init_pages
 from paged_jax.model.config import ModelConfig
@@ -72,64 +72,120 @@ def abstract_graphdef(model_config: ModelConfig) -> nnx.GraphDef:
 
 
 class Prepared(NamedTuple):
-    """A step's bookkeeping before any model runs (``prepare``)."""
+    """A step's bookkeeping before any model runs (``prepare``). Padded steps: the model
+    sees ``[B, T]`` tokens; packed ones ``[1, N]``."""
 
     state: CacheState  # after append_slots
     pages: Any  # after the copy-on-write copies
-    ctx: PagedContext  # slots, tables, lengths (including the new tokens), query lengths
-    positions: jax.Array  # int32[B, T]
+    ctx: PagedContext  # slots, tables, lengths (including the new tokens), query lengths (+ packed starts)
+    positions: jax.Array  # int32[B, T] (packed: [1, N])
     start: jax.Array  # int32[B]: tokens each row held before the step
-    tokens: jax.Array  # int32[B, T], clipped into the vocabulary
+    tokens: jax.Array  # int32[B, T] (packed: [1, N]), clipped into the vocabulary
     status: jax.Array  # int32[B]
     ok: jax.Array  # bool[]: every status is OK (else nothing was applied)
+    last: jax.Array  # int32[B]: where each row's last new token sits along the model's T axis
+
+    @property
+    def packed(self) -> bool:
+        return self.ctx.q_starts is not None
+
+    def at_last(self, hidden: jax.Array) -> jax.Array:
+        """``hidden [B, T, ...]`` (packed: ``[1, N, ...]``) at each row's last new token: [B, ...]."""
+        if self.packed:
+            return hidden[0, self.last]
+        return hidden[jnp.arange(hidden.shape[0]), self.last]
+
+    def every(self, hidden: jax.Array) -> jax.Array:
+        """``hidden`` at every fed position: ``[B, T, ...]``, or ``[N, ...]`` packed."""
+        return hidden[0] if self.packed else hidden
+
+
+def packed_rows(num_tokens: jax.Array, n: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Rows packed one after another (row b's ``num_tokens[b]`` tokens right after row
+    b-1's) in ``n`` slots: ``(starts int32[B], row int32[N], offset int32[N], valid
+    bool[N])``: where each row starts, each token's row (clamped into [0, B)) and index in
+    it, and whether a token belongs to a row (the tail past the last row's does not)."""
+    num_tokens = jnp.maximum(num_tokens.astype(jnp.int32), 0)
+    ends = jnp.cumsum(num_tokens)
+    starts = ends - num_tokens
+    i = jnp.arange(n, dtype=jnp.int32)
+    row = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)  # zero-token rows are skipped
+    safe = jnp.minimum(row, num_tokens.shape[0] - 1)
+    return starts, safe, i - starts[safe], row < num_tokens.shape[0]
+
+
+def last_positions(num_tokens: jax.Array, width: int, *, packed: bool) -> jax.Array:
+    """int32[B]: where each row's last fed token sits: along T in a padded ``[B, T]`` batch,
+    along N in a packed one (``width`` = T or N; an empty row points at its start)."""
+    num_tokens = num_tokens.astype(jnp.int32)
+    last = (jnp.cumsum(jnp.maximum(num_tokens, 0)) if packed else num_tokens) - 1
+    return jnp.clip(last, 0, width - 1)
 
 
 def prepare(cfg: ModelConfig, state, pages, tokens, seq_ids, num_tokens, *, copy=None) -> Prepared:
     """append_slots, the copy-on-write copies and the attention context of a step
-    (module docstring): everything but the model. tokens: int32[B, T]. ``copy``: how
-    blocks are copied (default ``kv.copy_blocks``; per shard under ``paged_jax.parallel``)."""
-    b, t = tokens.shape
+    (module docstring): everything but the model. tokens: int32[B, T] padded, or int32[N]
+    packed (row b's ``num_tokens[b]`` tokens right after row b-1's; the model then sees
+    ``[1, N]``). ``copy``: how blocks are copied (default ``kv.copy_blocks``; per shard
+    under ``paged_jax.parallel``)."""
+    packed = tokens.ndim == 1
     seq_ids = seq_ids.astype(jnp.int32)
     num_tokens = num_tokens.astype(jnp.int32)
     real = seq_ids != NO_SEQ
-    in_chunk = jnp.arange(t)[None, :] < num_tokens[:, None]
-    bad_token = real & jnp.any(in_chunk & ((tokens < 0) | (tokens >= cfg.vocab_size)), axis=1)
+    bad = (tokens < 0) | (tokens >= cfg.vocab_size)
+    if packed:
+        n = width = tokens.shape[0]
+        q_starts, row, offset, valid = packed_rows(num_tokens, n)
+        # a row's bad tokens, summed by row (tokens past the last row go to a dropped index)
+        bad_count = jnp.zeros(seq_ids.shape, jnp.int32).at[jnp.where(valid, row, seq_ids.shape[0])].add(
+            bad.astype(jnp.int32), mode="drop")
+        bad_token = real & (bad_count > 0)
+    else:
+        width = tokens.shape[1]
+        in_chunk = jnp.arange(width)[None, :] < num_tokens[:, None]
+        bad_token = real & jnp.any(in_chunk & bad, axis=1)
     # An out-of-range token count makes append_slots reject the whole call, keeping the
     # step atomic without a second code path; the row's status is then overwritten.
     request = jnp.where(bad_token, -1, num_tokens)
 
     safe = jnp.clip(seq_ids, 0, state.max_seqs - 1)
     start = state.seq_lens[safe]  # [B] tokens held before this step (padding rows: meaningless)
-    state, res = append_slots(state, seq_ids, request, max_tokens=t)
+    state, res = append_slots(state, seq_ids, request, max_tokens=width)
     ok = jnp.all(res.status == Status.OK)
     status = jnp.where(bad_token, jnp.int32(Status.INVALID_TOKEN), res.status).astype(jnp.int32)
     pages = (copy or copy_blocks)(pages, res.copy_src, res.copy_dst)  # before any write (copy-on-write)
 
+    q_lens = jnp.where(real & ok, num_tokens, 0)
+    tokens = jnp.clip(tokens, 0, cfg.vocab_size - 1)
+    if packed:
+        # the slot of token i: its row's slot mapping at its offset (-1 if rejected or padding)
+        slots = jnp.where(valid, res.slot_mapping[row, jnp.clip(offset, 0, width - 1)], NO_SLOT)
+        positions = jnp.where(valid, start[row] + offset, 0)
+        slot_mapping, positions, tokens = slots[None], positions[None], tokens[None]
+    else:
+        slot_mapping, q_starts = res.slot_mapping, None
+        positions = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+    last = last_positions(num_tokens, width, packed=packed)
     ctx = PagedContext(
-        slot_mapping=res.slot_mapping,
+        slot_mapping=slot_mapping,
         block_tables=state.block_tables[safe],
         lengths=jnp.where(real, state.seq_lens[safe], 0),
-        q_lens=jnp.where(real & ok, num_tokens, 0),
+        q_lens=q_lens,
+        q_starts=q_starts,
     )
-    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    tokens = jnp.clip(tokens, 0, cfg.vocab_size - 1)
-    return Prepared(state, pages, ctx, positions, start, tokens, status, ok)
+    return Prepared(state, pages, ctx, positions, start, tokens, status, ok, last)
 
 
 def _model_step(graphdef, cfg: ModelConfig, impl: str, params, state, pages, tokens, seq_ids, num_tokens,
                 *, all_logits: bool = False, make_attend=None, copy=None):
-    """One step; see the module docstring. tokens: int32[B, T]. ``all_logits`` (static):
-    logits f32[B, T, V] at every fed position (speculative verification) instead of
-    f32[B, V] at each row's last."""
-    b, t = tokens.shape
+    """One step; see the module docstring. tokens: int32[B, T] padded or int32[N] packed.
+    ``all_logits`` (static): logits at every fed position (f32[B, T, V]; packed f32[N, V])
+    instead of f32[B, V] at each row's last (speculative verification, prompt logprobs)."""
     prep = prepare(cfg, state, pages, tokens, seq_ids, num_tokens, copy=copy)
     attend = (make_attend or make_paged_attend)(prep.ctx, impl=impl)
     hidden, pages = forward(graphdef, params, prep.tokens, prep.positions, prep.pages, attend)
-    if all_logits:
-        return logits_from_hidden(graphdef, params, hidden), prep.state, pages, prep.status
-    last = jnp.clip(num_tokens.astype(jnp.int32) - 1, 0, t - 1)
-    logits = logits_from_hidden(graphdef, params, hidden[jnp.arange(b), last])
-    return logits, prep.state, pages, prep.status
+    hidden = prep.every(hidden) if all_logits else prep.at_last(hidden)
+    return logits_from_hidden(graphdef, params, hidden), prep.state, pages, prep.status
 
 
 @functools.cache

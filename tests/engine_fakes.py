@@ -19,6 +19,7 @@ import numpy as np
 from paged_jax import kv
 from paged_jax.cache import append_slots
 from paged_jax.engine import ModelBackend
+from paged_jax.steps import packed_rows
 
 VOCAB = 48
 
@@ -43,6 +44,15 @@ def _readout(pages, state, seq_ids, lens=None):
 
 
 def _append(params, state, pages, tokens, seq_ids, num_tokens, *, all_logits=False):
+    if tokens.ndim == 1:  # packed: run as the padded [B, N] batch, logits back at the packed positions
+        n = tokens.shape[0]
+        starts, row, offset, valid = packed_rows(num_tokens, n)
+        padded = tokens[jnp.clip(starts[:, None] + jnp.arange(n)[None, :], 0, n - 1)]
+        logits, state, pages, status = _append(params, state, pages, padded, seq_ids, num_tokens,
+                                               all_logits=all_logits)
+        if all_logits:
+            logits = jnp.where(valid[:, None], logits[row, jnp.clip(offset, 0, n - 1)], 0.0)
+        return logits, state, pages, status
     del params
     width = tokens.shape[1]
     old_lens = state.seq_lens[jnp.maximum(seq_ids, 0)]

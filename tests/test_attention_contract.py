@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from paged_jax.attention import blocked, dispatch, reference
+from paged_jax.attention import contract as contract_module
 from paged_jax.kv import KVPages, quant
 
 D = 64  # the smallest head_dim the kernels take
@@ -269,6 +270,90 @@ def test_layer_of_stacked_pages(impl, cfg, how):
     for out, want in zip(outs, wants):
         check_output(out, case, want, rtol=1e-5, atol=1e-5)
     assert not np.allclose(wants[0], wants[1])  # the layers hold different data
+
+
+# --------------------------------------------------------------------------- the ragged form
+RAGGED_IMPLS = REGISTERED  # every registered entry has a ragged form (its own, or one query per row)
+
+
+def ragged_case(case: Case, seed: int) -> tuple[jax.Array, jax.Array, np.ndarray]:
+    """``case``'s queries packed: ``(q [N, Hq, D], q_starts int32[B], where int32[N, 2])``,
+    each row's real queries one after another with random gaps between rows (and a tail);
+    ``where[i]`` is the (row, t) query i came from, (-1, -1) for gap tokens (NaN there)."""
+    rng = np.random.default_rng(seed)
+    q = np.asarray(case.q.astype(jnp.float32))
+    q_lens = np.asarray(case.q_lens)
+    parts, where, starts, at = [], [], [], 0
+    for row, n in enumerate(q_lens):
+        gap = int(rng.integers(0, 3))
+        parts.append(np.full((gap, *q.shape[2:]), np.nan, np.float32))
+        where += [(-1, -1)] * gap
+        at += gap
+        starts.append(at)
+        parts.append(q[row, :n])
+        where += [(row, t) for t in range(n)]
+        at += int(n)
+    parts.append(np.full((2, *q.shape[2:]), np.nan, np.float32))  # a tail no row owns
+    where += [(-1, -1)] * 2
+    packed = jnp.asarray(np.concatenate(parts), case.q.dtype)
+    return packed, jnp.asarray(np.asarray(starts, np.int32)), np.asarray(where, np.int32)
+
+
+def check_ragged(out, packed, where, want, *, rtol, atol):
+    """``out`` [N, Hq, D] in q's dtype: the padded answer ``want`` at each packed query, 0
+    at every token that belongs to no row (gaps hold NaN queries: they must not leak)."""
+    assert out.shape == packed.shape and out.dtype == packed.dtype
+    out = np.asarray(out.astype(jnp.float32))
+    assert np.isfinite(out).all()
+    real = where[:, 0] >= 0
+    want = np.asarray(want.astype(jnp.float32))[where[real, 0], where[real, 1]]
+    np.testing.assert_allclose(out[real], want, rtol=rtol, atol=atol)
+    assert not out[~real].any()
+
+
+@pytest.mark.parametrize("impl,cfg", grid(RAGGED_IMPLS, CONFIGS, quick=lambda c: c in (GQA_DECODE, GQA_CHUNK)))
+def test_ragged_form_matches_the_padded_oracle(impl, cfg):
+    """Packed queries (rows one after another, gaps between them) through each entry's
+    ragged form, fp32 and 5-D pages with a traced layer: the padded oracle's answer."""
+    skip_untileable(impl, cfg)
+    case = make_case(cfg, 4, fork=True, layers=LAYERS)
+    packed, starts, where = ragged_case(case, 4)
+    fn = dispatch.IMPLS[impl].ragged_fn
+    run = jax.jit(lambda q, pages, bt, lengths, starts, q_lens, layer: fn(q, pages, bt, lengths, starts, q_lens,
+                                                                         layer=layer))
+    out = run(packed, case.pages, case.block_tables, case.lengths, starts, case.q_lens, jnp.int32(1))
+    check_ragged(out, packed, where, oracle(*layer_case(case, 1)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", RAGGED_IMPLS)
+def test_ragged_form_bf16_through_the_dispatcher(impl):
+    skip_untileable(impl, GQA_CHUNK)
+    if slow_here(impl):
+        pytest.skip("an interpreter: the fp32 case covers it")
+    case = make_case(GQA_CHUNK, 5, fork=False, dtype=jnp.bfloat16)
+    packed, starts, where = ragged_case(case, 5)
+    out = jax.jit(functools.partial(dispatch.ragged_paged_attention, impl=impl))(
+        packed, case.pages, case.block_tables, case.lengths, starts, case.q_lens)
+    check_ragged(out, packed, where, oracle(*case), rtol=2e-2, atol=3e-2)
+
+
+def test_ragged_as_rows_is_one_query_per_row():
+    """The generic ragged form over the oracle equals the padded oracle (decode and chunks)."""
+    for cfg in (GQA_DECODE, MQA_CHUNK):
+        case = make_case(cfg, 6, fork=True)
+        packed, starts, where = ragged_case(case, 6)
+        out = contract_module.ragged_as_rows(reference.paged_attention)(
+            packed, case.pages, case.block_tables, case.lengths, starts, case.q_lens)
+        check_ragged(out, packed, where, oracle(*case), rtol=1e-5, atol=1e-5)
+
+
+def test_ragged_shapes_are_checked():
+    case = make_case(GQA_DECODE, 0, fork=False)
+    packed, starts, _ = ragged_case(case, 0)
+    with pytest.raises(ValueError, match=r"ragged q must be \[N, Hq, D\]"):
+        dispatch.ragged_paged_attention(case.q, case.pages, case.block_tables, case.lengths, starts, case.q_lens)
+    with pytest.raises(ValueError, match="q_starts must be int32"):
+        dispatch.ragged_paged_attention(packed, case.pages, case.block_tables, case.lengths, starts[:2], case.q_lens)
 
 
 # ------------------------------------------------------------------------- quantised pages

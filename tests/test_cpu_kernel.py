@@ -134,3 +134,59 @@ def test_refuses_quantised_pages_and_lengths_past_the_table():
     too_long = lengths.at[0].set(tables.shape[1] * pages.k.shape[-2] + 1)
     with pytest.raises(Exception, match="exceeds the block table"):  # a runtime error, not a wild read
         jax.block_until_ready(cpu_kernel.paged_attention(q, pages, tables, too_long, q_lens))
+
+
+def _packed(q, q_lens, rng):
+    """``q [B, T, Hq, D]``'s real queries packed one row after another with random gaps:
+    ``(packed [N, Hq, D], starts int32[B], positions [(row, t)] per packed index or None)``."""
+    parts, starts, where, at = [], [], [], 0
+    for row, n in enumerate(np.asarray(q_lens)):
+        gap = int(rng.integers(0, 3))
+        parts += [np.zeros((gap, *q.shape[2:]), np.float32), np.asarray(q[row, :n], np.float32)]
+        where += [None] * gap + [(row, t) for t in range(n)]
+        starts.append(at + gap)
+        at += gap + int(n)
+    packed = jnp.asarray(np.concatenate(parts + [np.zeros((1, *q.shape[2:]), np.float32)]), q.dtype)
+    return packed, jnp.asarray(starts, jnp.int32), where + [None]
+
+
+@needs_kernel
+@pytest.mark.parametrize("seed", range(16))
+def test_ragged_equals_the_padded_reference_on_random_calls(seed):
+    """The packed form (long chunks split into several tasks, decode rows, gaps, a tail)
+    against the padded reference; head dims 64 / 128 take the unrolled paths, others not."""
+    rng = np.random.default_rng(2000 + seed)
+    q, pages, tables, lengths, q_lens = _random_call(rng, layers=2)
+    if seed % 4 == 0:  # a long chunk (more than one task of queries) at the end of a long row
+        bs, p = pages.k.shape[-2], tables.shape[1]
+        t = min(p * bs, 70)
+        q = jnp.asarray(rng.standard_normal((q.shape[0], t, *q.shape[2:])), q.dtype)
+        q_lens = q_lens.at[0].set(min(int(lengths[0]), t))
+    packed, starts, where = _packed(q, q_lens, rng)
+    got = np.asarray(cpu_kernel.ragged_paged_attention(packed, pages, tables, lengths, starts, q_lens, layer=1))
+    want = np.asarray(reference.paged_attention(q, pages, tables, lengths, q_lens, layer=1))
+    assert np.isfinite(got).all()
+    for i, w in enumerate(where):
+        if w is None:
+            assert not got[i].any()
+        else:
+            np.testing.assert_allclose(got[i], want[w], rtol=2e-5, atol=2e-6)
+
+
+@needs_kernel
+def test_ragged_refuses_spans_out_of_order_or_past_q():
+    rng = np.random.default_rng(9)
+    q, pages, tables, lengths, q_lens = _random_call(rng, poison=False)
+    lengths = jnp.full_like(lengths, 4)
+    q_lens = jnp.full_like(q_lens, 2).at[0].set(3)
+    n = int(q_lens.sum()) + 1
+    packed = jnp.zeros((n, *q.shape[2:]), q.dtype)
+    starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens)[:-1].astype(jnp.int32)])
+    jax.block_until_ready(cpu_kernel.ragged_paged_attention(packed, pages, tables, lengths, starts, q_lens))
+    if q.shape[0] > 1:
+        overlap = starts.at[1].set(1)
+        with pytest.raises(Exception, match="in order, without overlap"):
+            jax.block_until_ready(cpu_kernel.ragged_paged_attention(packed, pages, tables, lengths, overlap, q_lens))
+    past = starts.at[-1].set(n - 1)
+    with pytest.raises(Exception, match="in order, without overlap"):
+        jax.block_until_ready(cpu_kernel.ragged_paged_attention(packed, pages, tables, lengths, past, q_lens))

@@ -202,11 +202,19 @@ def _nan_on_token(poison: int):
     import jax.numpy as jnp
     from engine_fakes import _append
 
+    from paged_jax.steps import last_positions, packed_rows
+
     def step(params, state, pages, tokens, seq_ids, num_tokens, *, all_logits=False):
         logits, state, pages, status = _append(params, state, pages, tokens, seq_ids, num_tokens,
                                                all_logits=all_logits)
-        last = jnp.take_along_axis(tokens, jnp.maximum(num_tokens - 1, 0)[:, None], axis=1)
-        bad = (last == poison) if not all_logits else (last == poison)[:, :, None]
+        packed = tokens.ndim == 1  # every row's tokens one after another
+        at = last_positions(num_tokens, tokens.shape[-1], packed=packed)
+        last = tokens[at] if packed else tokens[jnp.arange(tokens.shape[0]), at]
+        if all_logits:  # every fed position of a row whose last token is the poison (a row is [B, T] or packed)
+            row = packed_rows(num_tokens, tokens.shape[0])[1] if packed else None
+            bad = (last[row] == poison)[:, None] if packed else (last == poison)[:, None, None]
+        else:
+            bad = (last == poison)[:, None]
         return jnp.where(bad, jnp.nan, logits), state, pages, status
 
     return fake_backend(4)._replace(step=step)
@@ -229,11 +237,15 @@ def test_nan_logits_end_that_request_with_an_error():
 
 
 @pytest.mark.slow
-def test_warmup_compiles_what_a_plain_call_needs():
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_warmup_compiles_what_a_plain_call_needs(layout):
     llm = LLM(fake_backend(4), block_size=4, num_gpu_blocks=32, max_model_len=32, max_num_seqs=8,
-              max_num_batched_tokens=32, debug_checks=True)
+              max_num_batched_tokens=32, debug_checks=True, batch_layout=layout)
     shapes = llm.engine.runner.warmup_shapes()
-    assert ("decode", (8, 1)) in shapes and ("prefill", (1, 32)) in shapes
+    if layout == "padded":
+        assert ("decode", (8, 1)) in shapes and ("prefill", (1, 32)) in shapes
+    else:  # every row count at its decode width and at each power of two up to the budget
+        assert shapes == [("step", (8, 8)), ("step", (8, 16)), ("step", (8, 32))]
     assert llm.warmup(use_tqdm=False) == len(shapes)
     check_invariants_and_empty(llm)
     before = dict(llm.engine.runner.traces)
@@ -252,11 +264,12 @@ def test_warmup_with_rows_longer_than_the_token_budget():
     assert buckets.prefill_shapes(64, 4, max_width=96)[0] == (1, 64)
     assert buckets.prefill_shapes(64, 4, max_width=40)[0] == (1, 64)
     assert buckets.prefill_shapes(64, 4, max_width=20)[0] == (1, 32)
-    llm = LLM(fake_backend(4), block_size=4, num_gpu_blocks=64, max_model_len=96, max_num_seqs=4,
-              max_num_batched_tokens=64)
-    shapes = llm.engine.runner.warmup_shapes()
-    assert max(w for name, (_, w) in shapes if name == "prefill") == 64
-    assert llm.warmup(use_tqdm=False) == len(shapes)
+    for layout, name in (("padded", "prefill"), ("packed", "step")):
+        llm = LLM(fake_backend(4), block_size=4, num_gpu_blocks=64, max_model_len=96, max_num_seqs=4,
+                  max_num_batched_tokens=64, batch_layout=layout)
+        shapes = llm.engine.runner.warmup_shapes()
+        assert max(w for n, (_, w) in shapes if n == name) == 64
+        assert llm.warmup(use_tqdm=False) == len(shapes)
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from paged_jax.engine.sampling import (
     _sample,
     _uniform,
     apply_history,
+    argmax_last,
     empty_history,
     sample,
     sampling_probs,
@@ -187,6 +188,34 @@ def test_logprobs_values_and_ranks_match_numpy():
     order = np.argsort(-ref, axis=-1, kind="stable")[:, :4]
     np.testing.assert_array_equal(top_ids, order)
     np.testing.assert_allclose(top_lp, np.take_along_axis(ref, order, -1), atol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 24, 7])  # 128-wide chunks, 8-wide, one chunk, no chunking
+def test_argmax_last_is_jnp_argmax_with_ties_to_the_first(vocab):
+    rng = np.random.default_rng(vocab)
+    x = rng.normal(size=(9, vocab)).astype(np.float32)
+    x[0, :] = 1.0  # all tied: index 0
+    x[1, [vocab // 3, vocab - 1]] = 50.0  # a tie across chunks: the first
+    x[2, -1] = 60.0  # the last entry
+    x[3, :] = -np.inf
+    x[3, vocab // 2] = -1e30
+    np.testing.assert_array_equal(np.asarray(argmax_last(x)), x.argmax(-1))
+
+
+def test_greedy_logprob_is_the_raw_log_softmax_with_and_without_a_history():
+    """The sampler reports log_softmax of the raw logits at the chosen token (computed
+    without materialising [B, V] log-probabilities), whether or not penalties changed the
+    choice."""
+    logits, rows = _case(6)
+    b = logits.shape[0]
+    zeros, ones, minus = np.zeros(b, np.float32), np.ones(b, np.float32), np.full(b, -1, np.int32)
+    ref = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
+    for history in (None, empty_history(b, K), _history(rows)):
+        tokens, lp = sample(logits, zeros, minus, ones, np.arange(b, dtype=np.uint32), np.zeros(b, np.int32),
+                            history=history)
+        np.testing.assert_allclose(np.asarray(lp), ref[np.arange(b), np.asarray(tokens)], atol=1e-5)
+    want = _processed_reference(logits, rows).argmax(-1)
+    np.testing.assert_array_equal(np.asarray(tokens), want)
 
 
 def test_one_program_for_greedy_sampled_and_penalised_batches():

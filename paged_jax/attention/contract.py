@@ -40,12 +40,30 @@ Conventions:
   per layer per step. Plain XLA gathers with the layer as one more coordinate; the Pallas
   kernels take the pool as one flat array and the layer as an operand.
 
+**The ragged (packed) form.** A step that packs its rows' new tokens one after another
+(no padding between rows; ``paged_jax.steps``) calls
+
+    ragged_paged_attention(q, pages, block_tables, lengths, q_starts, q_lens, *, layer=None, scale=None) -> out
+
+  q:            [N, Hq, D]: every row's queries, packed; row b's are
+                q[q_starts[b] : q_starts[b] + q_lens[b]].
+  q_starts:     int32[B]: rows in order, spans inside [0, N) and not overlapping
+                (q_starts[b] + q_lens[b] <= q_starts[b + 1]); gaps are allowed.
+  block_tables, lengths, q_lens, layer, scale: as above (q_lens <= lengths).
+  out:          [N, Hq, D] in q's dtype; a query that belongs to no row is exactly 0.
+
+Query t of row b sits at position lengths[b] - q_lens[b] + t, as in the padded form: the
+padded call is the ragged one with q_starts[b] = b * T. An implementation without a ragged
+variant of its own runs it as a padded call of one query per token (``ragged_as_rows``:
+each token a row of its own, its length its position + 1): exact, and no padding computed.
+
 ``reference.paged_attention`` is the oracle: every other implementation is tested against
 it (``tests/test_attention_contract.py``). ``check`` below is the validation they share.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 import jax
@@ -172,3 +190,50 @@ def kernel_tiling_problem(limits, *, head_dim: int, block_size: int, num_heads: 
     if num_heads // num_kv_heads > limits.MAX_GROUP:
         return f"{num_heads // num_kv_heads} query heads per kv head is more than the kernel's {limits.MAX_GROUP}"
     return None
+
+
+def check_ragged(q, pages, block_tables, lengths, q_starts, q_lens, layer) -> Shapes:
+    """``check`` for the ragged form (q [N, Hq, D], q_starts int32[B]); ``Shapes.batch`` is
+    B (rows) and ``Shapes.queries`` N (packed queries)."""
+    if q.ndim != 3:
+        raise ValueError(f"ragged q must be [N, Hq, D], got shape {q.shape}")
+    b = block_tables.shape[0] if block_tables.ndim == 2 else -1
+    if q_starts.shape != (b,) or not jnp.issubdtype(q_starts.dtype, jnp.integer):
+        raise ValueError(f"q_starts must be int32[B={b}], got {q_starts.dtype}{list(q_starts.shape)}")
+    # The padded check on a view of B rows (the queries' count does not enter it).
+    shapes = check(jax.ShapeDtypeStruct((b, 1, *q.shape[1:]), q.dtype), pages, block_tables, lengths, q_lens, layer)
+    return shapes._replace(queries=q.shape[0])
+
+
+def ragged_token_rows(q_starts: jax.Array, q_lens: jax.Array, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """For ``n`` packed queries: ``(row int32[N], offset int32[N], valid bool[N])``: the row
+    each query belongs to (clamped into [0, B)), its index within that row's queries, and
+    whether it belongs to a row at all (gaps and the tail belong to none)."""
+    q_starts, q_lens = q_starts.astype(jnp.int32), q_lens.astype(jnp.int32)
+    i = jnp.arange(n, dtype=jnp.int32)
+    ends = q_starts + jnp.maximum(q_lens, 0)
+    row = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)  # the first row ending past i
+    b = q_starts.shape[0]
+    safe = jnp.minimum(row, b - 1)
+    offset = i - q_starts[safe]
+    return safe, offset, (row < b) & (offset >= 0)
+
+
+def ragged_as_rows(fn: AttentionFn) -> Callable:
+    """The ragged form of a padded implementation ``fn``: one row per query (its row's
+    block table, length = its position + 1, one query), so a causal query attends to
+    exactly its keys and nothing padded is computed. Any padded implementation gets a ragged
+    form this way; a kernel that reads a row's blocks once for all its queries registers
+    its own (``dispatch.AttentionImpl.ragged``)."""
+
+    def ragged(q, pages, block_tables, lengths, q_starts, q_lens, *, layer=None, scale=None):
+        n = q.shape[0]
+        row, offset, valid = ragged_token_rows(q_starts, q_lens, n)
+        q_lens = jnp.minimum(q_lens.astype(jnp.int32), lengths.astype(jnp.int32))
+        valid &= offset < q_lens[row]
+        position = lengths[row] - q_lens[row] + offset
+        out = fn(q[:, None], pages, block_tables[row], jnp.where(valid, position + 1, 0).astype(jnp.int32),
+                 valid.astype(jnp.int32), layer=layer, scale=scale)
+        return out[:, 0]
+
+    return ragged

@@ -5,8 +5,8 @@ will not fuse that gather into the reductions (see docs/DESIGN.md, "Where a step
 goes"), so every K/V byte a step reads is copied first and read again. The kernel walks the
 block table and reads blocks in place, once, on XLA's intra-op threads.
 
-``paged_attention`` has the contract's signature (``contract``): q [B, T, Hq, D] in any
-float dtype (computed in fp32, returned in q's dtype), fp32 / bf16 / fp16 pages (16-bit
+``paged_attention`` has the contract's signature (``contract``), ``ragged_paged_attention``
+its packed form: q [B, T, Hq, D] (or [N, Hq, D] packed) in any float dtype (computed in fp32, returned in q's dtype), fp32 / bf16 / fp16 pages (16-bit
 ones as stored bits, ``KVPages.bits_of``, or as floats), 5-D pages with an int or traced
 layer or 4-D ones with ``layer=None``. Quantised pages are refused (``reads_quantized``
 is False: "auto" leaves them to "xla").
@@ -127,13 +127,43 @@ def paged_attention(
     layer: int | jax.Array | None = None,
     scale: float | None = None,
 ) -> jax.Array:
-    """Paged attention by the native CPU kernel (the contract of ``contract``).
+    """Paged attention by the native CPU kernel (the padded contract of ``contract``).
 
     q [B, T, Hq, D] float; pages leaves [L, Hkv, N, bs, D] with ``layer`` or [Hkv, N, bs, D]
     with None (fp32, bf16 or fp16 values); int32 block_tables [B, P], lengths and q_lens [B]
     -> [B, T, Hq, D] in q.dtype. ValueError for quantised pages. Runs on the CPU backend only.
+    The padded batch is the ragged kernel's special case ``q_starts[b] = b * T``.
     """
     shapes = contract.check(q, pages, block_tables, lengths, q_lens, layer)
+    b, t, hq, d = q.shape
+    starts = jnp.arange(b, dtype=jnp.int32) * t
+    out = _call(q.reshape(b * t, hq, d), pages, block_tables, lengths, starts,
+                jnp.clip(q_lens.astype(jnp.int32), 0, t), layer, contract.default_scale(shapes.head_dim, scale))
+    return out.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    pages,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    q_starts: jax.Array,
+    q_lens: jax.Array,
+    *,
+    layer: int | jax.Array | None = None,
+    scale: float | None = None,
+) -> jax.Array:
+    """Paged attention by the native CPU kernel over packed queries (the ragged contract of
+    ``contract``): q [N, Hq, D], int32 block_tables [B, P], lengths, q_starts, q_lens [B]
+    -> [N, Hq, D] in q.dtype."""
+    shapes = contract.check_ragged(q, pages, block_tables, lengths, q_starts, q_lens, layer)
+    out = _call(q, pages, block_tables, lengths, q_starts, q_lens, layer,
+                contract.default_scale(shapes.head_dim, scale))
+    return out.astype(q.dtype)
+
+
+def _call(q, pages, block_tables, lengths, q_starts, q_lens, layer, scale: float) -> jax.Array:
+    """The custom call: q [N, Hq, D] -> f32[N, Hq, D]."""
     if getattr(pages, "k_scale", None) is not None:
         raise ValueError(f"the native CPU kernel does not read quantised ({pages.kv_format}) pages; use impl='xla'")
     if (why := missing()) is not None:
@@ -144,7 +174,6 @@ def paged_attention(
         k, v, layer = k[None], v[None], 0
     layer = jnp.asarray(layer, jnp.int32).reshape(())
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
-    out = call(q.astype(jnp.float32), k, v, block_tables.astype(jnp.int32), lengths.astype(jnp.int32),
-               q_lens.astype(jnp.int32), layer, scale=np.float32(contract.default_scale(shapes.head_dim, scale)),
-               page_kind=np.int64(kind))
-    return out.astype(q.dtype)
+    i32 = lambda x: x.astype(jnp.int32)  # noqa: E731
+    return call(q.astype(jnp.float32), k, v, i32(block_tables), i32(lengths), i32(q_starts), i32(q_lens), layer,
+                scale=np.float32(scale), page_kind=np.int64(kind))

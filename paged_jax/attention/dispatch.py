@@ -67,6 +67,8 @@ class AttentionImpl:
         (None: every one); others are refused, naming these.
       slow_on: backends where it runs slowly (an interpreter): the contract suite runs it
         there on representative cases and marks the rest slow.
+      ragged: its own ragged form (``contract``: packed queries ``q [N, Hq, D]`` with
+        ``q_starts``), or None to run ``fn`` one query per row (``contract.ragged_as_rows``).
     """
 
     name: str
@@ -79,6 +81,12 @@ class AttentionImpl:
     obeys_contract: bool = True
     reads_formats: tuple[str, ...] | None = None
     slow_on: tuple[str, ...] = ()
+    ragged: Callable | None = None
+
+    @property
+    def ragged_fn(self) -> Callable:
+        """The ragged form: ``ragged``, or ``fn`` one query per row."""
+        return self.ragged if self.ragged is not None else contract.ragged_as_rows(self.fn)
 
     def reads(self, kv_cache_dtype: str) -> bool:
         """Whether it reads pages of ``kv_cache_dtype`` (a float format, or a quantised one it
@@ -138,7 +146,7 @@ def register_impl(name: str, fn: contract.AttentionFn, *, reads_quantized: bool 
 register(AttentionImpl("reference", reference.paged_attention, reads_quantized=True))
 register(AttentionImpl("xla", blocked.paged_attention, reads_quantized=True))
 register(AttentionImpl("cpu", cpu_kernel.paged_attention, needs_backend="cpu", auto_on=("cpu",),
-                       available=cpu_kernel.missing))
+                       available=cpu_kernel.missing, ragged=cpu_kernel.ragged_paged_attention))
 register(AttentionImpl("pallas", functools.partial(pallas.paged_attention, interpret=False), reads_quantized=True,
                        tiling_problem=_pallas_tiling, needs_backend="gpu", auto_on=("gpu",),
                        available=_pallas_missing))
@@ -227,3 +235,33 @@ def paged_attention(
     except ValueError as e:  # the arguments passed the contract: the kernel refused them
         warnings.warn(f"attention impl 'auto': {name!r} refused this call ({e}); using 'xla'", stacklevel=2)
         return IMPLS["xla"].fn(*args, layer=layer, scale=scale)
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    pages,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    q_starts: jax.Array,
+    q_lens: jax.Array,
+    *,
+    layer: int | jax.Array | None = None,
+    scale: float | None = None,
+    impl: str = AUTO,
+) -> jax.Array:
+    """Paged attention over packed queries (``contract``'s ragged form) by the implementation
+    ``impl`` names: q [N, Hq, D]; int32 block_tables [B, P], lengths, q_starts and q_lens
+    [B] -> [N, Hq, D] in q.dtype. The choice and the fallback are ``paged_attention``'s."""
+    quantized = getattr(pages, "k_scale", None) is not None
+    name = resolve_impl(impl, pages.kv_format if quantized else None)
+    contract.check_ragged(q, pages, block_tables, lengths, q_starts, q_lens, layer)
+    if quantized:
+        check_reads(name, pages.kv_format)
+    args = (q, pages, block_tables, lengths, q_starts, q_lens)
+    if impl != AUTO or name == "xla":
+        return IMPLS[name].ragged_fn(*args, layer=layer, scale=scale)
+    try:
+        return IMPLS[name].ragged_fn(*args, layer=layer, scale=scale)
+    except ValueError as e:  # the arguments passed the contract: the kernel refused them
+        warnings.warn(f"attention impl 'auto': {name!r} refused this call ({e}); using 'xla'", stacklevel=2)
+        return IMPLS["xla"].ragged_fn(*args, layer=layer, scale=scale)

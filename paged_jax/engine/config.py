@@ -34,6 +34,7 @@ from paged_jax.engine.speculative import SpeculativeConfig
 
 KV_CACHE_MODES = ("paged", "static")
 PREEMPTION_MODES = ("recompute", "swap")
+BATCH_LAYOUTS = ("packed", "padded")
 # vLLM's order of magnitude: a batch of prompts prefills in a step or two, so a first call
 # compiles one or two prefill shapes rather than one per small chunk.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -163,6 +164,9 @@ class SchedulerConfig:
       max_num_batched_tokens: tokens a step feeds (decodes + prefill chunks).
       block_size: the pool's (the scheduler's block arithmetic).
       decode_buckets: the decode batch sizes compiled (``buckets.decode_buckets``).
+      batch_layout: "packed": a step's rows (decodes and prefill chunks alike) feed one model
+        call, their tokens one after another (``buckets.pack_batch``); "padded": decodes in
+        one call and chunks in calls of padded ``[rows, width]`` (``buckets.plan_prefill``).
       preemption_mode: "recompute" or "swap".
       victim_policy: which running request to preempt (``victim.VICTIM_POLICIES``).
       admission_policy: the order waiting requests are admitted in (``admission``).
@@ -175,6 +179,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     block_size: int
     decode_buckets: tuple[int, ...] | None = None
+    batch_layout: str = "packed"
     preemption_mode: str = "recompute"
     victim_policy: Any = "most_recently_admitted"
     admission_policy: Any = "fcfs"
@@ -190,6 +195,8 @@ class SchedulerConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode={self.preemption_mode!r}: unknown; choose one of {list(PREEMPTION_MODES)}")
+        if self.batch_layout not in BATCH_LAYOUTS:
+            raise ValueError(f"batch_layout={self.batch_layout!r}: unknown; choose one of {list(BATCH_LAYOUTS)}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
@@ -262,8 +269,15 @@ class EngineArgs:
         capped (with a warning) at what the pool holds.
       max_num_batched_tokens: tokens per step (decodes + prefill chunks); default 2048 (at
         least ``max_num_seqs``), so a first batch of prompts prefills in a call or two.
-      decode_buckets: the decode batch sizes compiled (each one program); default powers
-        of two from 8 up to ``max_num_seqs`` (``buckets.decode_buckets``).
+      decode_buckets: the row counts a step's model call is padded to (each one program, with
+        each token width: ``buckets.packed_width``); default powers of two from 8 up to
+        ``max_num_seqs`` (``buckets.decode_buckets``).
+      batch_layout: "packed" (default): every row of a step, decodes and prefill chunks
+        alike, in one model call, their tokens packed one after another (as vLLM's
+        flattened batch: no padding between prompts); "padded": decodes in one call and
+        prefill chunks in padded ``[rows, width]`` calls (the layout before packing, kept as
+        a baseline; the default for ``kv_cache_dtype="int8_channel"``, whose per-block
+        scales are written row by row).
       preemption_mode: "recompute" or "swap" (``scheduler.py``).
       swap_space_blocks: host swap pool size in blocks (swap mode; default: the device pool's).
       allocation_policy: block allocation order: a name in ``cache.POLICIES`` ("lifo",
@@ -313,6 +327,7 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
     decode_buckets: Any = None
+    batch_layout: str | None = None
     preemption_mode: str = "recompute"
     swap_space_blocks: int | None = None
     allocation_policy: Any = "lifo"
@@ -351,8 +366,8 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=(self.max_num_batched_tokens if self.max_num_batched_tokens is not None
                                     else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)),
-            block_size=self.block_size, decode_buckets=self.decode_buckets, preemption_mode=self.preemption_mode,
-            victim_policy=self.victim_policy, admission_policy=self.admission_policy,
+            block_size=self.block_size, decode_buckets=self.decode_buckets, batch_layout=self._batch_layout(),
+            preemption_mode=self.preemption_mode, victim_policy=self.victim_policy, admission_policy=self.admission_policy,
             admission_lookahead=self.admission_lookahead, share_blocks=self.share_blocks, speculative=speculative,
         )
         parallel = self._parallel(speculative)
@@ -400,6 +415,19 @@ class EngineArgs:
             raise ValueError(f"generation_config={self.generation_config!r}: 'auto' (the checkpoint's "
                              "generation_config.json defaults) or 'vllm' (SamplingParams' own)")
         CacheConfig(num_blocks=1, block_size=self.block_size)  # block_size: a power of two in [1, 256]
+
+    def _batch_layout(self) -> str:
+        """``batch_layout``, or its default: "packed", or "padded" for per-channel KV scales
+        (written a row's block at a time, which needs the padded rows)."""
+        from paged_jax.kv.quant import kv_format
+
+        per_channel = kv_format(self.kv_cache_dtype).per_channel
+        if self.batch_layout is None:
+            return "padded" if per_channel else "packed"
+        if self.batch_layout == "packed" and per_channel:
+            raise ValueError(f"batch_layout='packed' cannot write kv_cache_dtype={self.kv_cache_dtype!r} pages "
+                             "(per-channel scales are written row by row); use batch_layout='padded'")
+        return self.batch_layout
 
     def _parallel(self, speculative) -> ParallelConfig:
         from paged_jax.engine.router import get_router

@@ -62,16 +62,13 @@ def check_draft(target: ModelConfig, draft: ModelConfig) -> None:
 
 def _step(tg, dg, tcfg, dcfg, impl, params, state, pages, tokens, seq_ids, num_tokens, *, all_logits=False):
     tp, dp = params
-    b, t = tokens.shape
     prep = prepare(tcfg, state, pages, tokens, seq_ids, num_tokens)
     attend = make_paged_attend(prep.ctx, impl=impl)
     hidden, target_pages = forward(tg, tp, prep.tokens, prep.positions, prep.pages.target, attend)
     _, draft_pages = forward(dg, dp, prep.tokens, prep.positions, prep.pages.draft, attend)
     pages = DraftPages(target_pages, draft_pages)
-    if all_logits:
-        return logits_from_hidden(tg, tp, hidden), prep.state, pages, prep.status
-    last = jnp.clip(num_tokens.astype(jnp.int32) - 1, 0, t - 1)
-    return logits_from_hidden(tg, tp, hidden[jnp.arange(b), last]), prep.state, pages, prep.status
+    hidden = prep.every(hidden) if all_logits else prep.at_last(hidden)
+    return logits_from_hidden(tg, tp, hidden), prep.state, pages, prep.status
 
 
 def _propose(tg, dg, tcfg, dcfg, impl, k, params, state, pages, last, seq_ids, num_tokens,

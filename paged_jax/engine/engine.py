@@ -436,7 +436,7 @@ class LLMEngine:
             blocks_swapped_out=c.blocks_swapped_out,
             blocks_swapped_in=c.blocks_swapped_in,
             swap_fallbacks=c.swap_fallbacks,
-            compiles=traces["prefill"] + traces["decode"] + traces["verify"],
+            compiles=sum(traces.values()),
             speculative=None if cfg.speculative is None else cfg.speculative.method,
             compile_seconds=runner.compile_seconds,
             tokens_per_s_excl_compile=(

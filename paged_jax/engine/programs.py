@@ -4,7 +4,8 @@ here they are plain module-level functions, jitted once per process and shared b
 runner, so engines with the same shapes compile once).
 
 - ``fused(step)``: the model step then the sampler, one program per (rows, width, top-K
-  width, history width) and per prompt-logprobs variant; state and pages donated.
+  width, history width), per layout (tokens ``[B, T]`` padded or ``[N]`` packed) and per
+  prompt-logprobs variant; state and pages donated.
 - ``fused_verify(step, propose)``: one speculative round (proposals by a draft model on the
   device if any, the target over them, acceptance, ``truncate`` back): one program.
 - ``housekeeping`` (+ ``_cached`` with prefix caching): mark, release, select parents,
@@ -40,6 +41,7 @@ from paged_jax.cache.sentinels import NO_SEQ
 from paged_jax.engine import speculative
 from paged_jax.engine.sampling import History, sample, token_logprobs, top_logprobs
 from paged_jax.kv.pages import copy_blocks, read_blocks, write_blocks
+from paged_jax.steps import last_positions
 
 # The token a row gets when its logits hold a NaN (NaN weights, an overflow): the engine
 # ends that request with finish reason "error" instead of emitting argmax-of-NaN forever.
@@ -72,7 +74,7 @@ class StepOut(NamedTuple):
     top_logprobs: Any  # f32[B_pad, num_top]
     top_ids: Any  # int32[B_pad, num_top]
     ranks: Any  # int32[B_pad]: the sampled token's raw rank (0 when num_top is 0)
-    prompt: Any = None  # prompt-logprobs calls: sampling.token_logprobs at [B_pad, T]
+    prompt: Any = None  # prompt-logprobs calls: sampling.token_logprobs at [B_pad, T] (packed: [N])
 
 
 class VerifyOut(NamedTuple):
@@ -100,7 +102,7 @@ def fused(step: Callable) -> Callable:
     search, logprobs): 0 keeps them out of the common program, whose compile they would
     lengthen. ``prompt_top`` > 0 (static) is the prompt-logprobs variant: the step keeps
     the logits at every fed position, samples at each row's last, and also returns
-    ``token_logprobs`` of ``prompt_targets`` int32[B, T] at every position."""
+    ``token_logprobs`` of ``prompt_targets`` (int32[B, T], or [N] packed) at every position."""
 
     def traced(params, state, pages, tokens, seq_ids, num_tokens, rows: SamplingBatch, prompt_targets, *,
                num_top, prompt_top):
@@ -108,14 +110,16 @@ def fused(step: Callable) -> Callable:
         prompt = None
         if prompt_top:
             every, state, pages, status = step(params, state, pages, tokens, seq_ids, num_tokens, all_logits=True)
-            b, t = tokens.shape
-            logits = every[jnp.arange(b), jnp.clip(num_tokens.astype(jnp.int32) - 1, 0, t - 1)]
+            packed = tokens.ndim == 1  # every: [N, V] packed, [B, T, V] padded
+            last = last_positions(num_tokens, every.shape[0 if packed else 1], packed=packed)
+            logits = every[last] if packed else every[jnp.arange(every.shape[0]), last]
             prompt = token_logprobs(every, prompt_targets, prompt_top)
         else:
             logits, state, pages, status = step(params, state, pages, tokens, seq_ids, num_tokens)
         toks, logprobs = sample(logits, rows.temperature, rows.top_k, rows.top_p, rows.seeds, rows.steps,
                                 min_p=rows.min_p, history=rows.history)
-        toks = jnp.where(jnp.isnan(logits).any(axis=-1), NAN_TOKEN, toks)
+        # A row with a NaN has a NaN maximum (the sampler takes the same max: one reduction).
+        toks = jnp.where(jnp.isnan(jnp.max(logits.astype(jnp.float32), axis=-1)), NAN_TOKEN, toks)
         b = toks.shape[0]
         if num_top:
             raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)

@@ -11,12 +11,14 @@ parameters) and executes one ``SchedulerOutput`` per engine step with ``run``:
    baseline);
 3. swap-ins: rebuild the rows of returning requests in fresh blocks (shared blocks
    shared again, ``cache.restore_rows``) and write their data back;
-4. the model: one decode call for every single-token append, the prefill calls for the
-   chunks (``buckets.plan_prefill``), each fused with the sampler (chunks that want
-   prompt logprobs go to prefill calls of their own that keep the logits at every
-   position), and last the verification call for the rows that speculate
-   (``engine/speculative.py``: proposals fed, accepted ones kept, the rest rolled back by
-   ``truncate`` in the same program);
+4. the model, fused with the sampler: with the packed layout (the default) **one** call for
+   every row, decodes and prefill chunks alike, their tokens one after another
+   (``buckets.pack_batch``: rows padded to a decode bucket, tokens to ``packed_width``);
+   with the padded layout one decode call for every single-token append and the prefill
+   calls for the chunks (``buckets.plan_prefill``). Rows that want prompt logprobs go to
+   a call of their own that keeps the logits at every position; last, the verification
+   call for the rows that speculate (``engine/speculative.py``: proposals fed, accepted
+   ones kept, the rest rolled back by ``truncate`` in the same program);
 
 and then brings everything the host needs back in **one** device fetch: sampled tokens,
 their log-probabilities, every op's status and the swapped-out data. Every block op it
@@ -72,6 +74,7 @@ class ModelRunner:
         self.num_blocks, self.block_size = cache.num_blocks, cache.block_size
         self.max_num_seqs, self.max_blocks_per_seq = sched.max_num_seqs, cache.max_blocks_per_seq
         self.max_num_batched_tokens, self.decode_buckets = sched.max_num_batched_tokens, sched.decode_buckets
+        self.packed = sched.batch_layout == "packed"
         self.num_speculative_tokens = config.speculative.num_speculative_tokens if config.speculative else 0
         self.prefix_caching = cache.prefix_caching
         self.cache_state = self.empty_state()
@@ -155,9 +158,14 @@ class ModelRunner:
             top_ids[positions, :k] = out.top_ids[:n]
             ranks[positions] = out.ranks[:n]
             if out.prompt is not None:
+                at = 0  # packed: the rows' tokens one after another, in ``positions`` order
                 for r, i in enumerate(positions):
                     fed = len(work[i].tokens)
-                    prompt[i] = (work[i].prompt_targets, *(np.asarray(x[r, :fed]) for x in out.prompt))
+                    if out.prompt[0].ndim == 1:
+                        prompt[i] = (work[i].prompt_targets, *(np.asarray(x[at: at + fed]) for x in out.prompt))
+                    else:
+                        prompt[i] = (work[i].prompt_targets, *(np.asarray(x[r, :fed]) for x in out.prompt))
+                    at += fed
         return StepResult(tokens, logprobs, top_lp, top_ids, swapped, ranks, **spec, prompt_logprobs=prompt)
 
     def _verified(self, out: VerifyOut, positions: list[int], work: list[Work]) -> dict:
@@ -277,30 +285,37 @@ class ModelRunner:
             pool.free(item.blocks.host_ids)
 
     def _run_model(self, work: list[Work], statuses: list) -> tuple[list, list[list[int]]]:
-        """Decode rows in one call, chunks in as few prefill calls as fit the area bound,
-        speculative rows last (their rollback is applied to the host model after the fetch)."""
+        """The model calls of a step: packed, every plain row (decodes and chunks) in one call
+        and the rows wanting prompt logprobs in another; padded, decode rows in one call and
+        chunks in as few prefill calls as fit the area bound. Speculative rows last (their
+        rollback is applied to the host model after the fetch)."""
         outs, order = [], []
         # Rows wanting prompt logprobs need every position's logits: calls of their own.
         prompt = [i for i, w in enumerate(work) if w.prompt_targets is not None and not w.spec]
-        plain = [w.prompt_targets is None for w in work]
-        decode = [i for i, w in enumerate(work) if len(w.tokens) == 1 and not w.spec and plain[i]]
+        plain = [i for i, w in enumerate(work) if w.prompt_targets is None and not w.spec]
         verify = [i for i, w in enumerate(work) if w.spec]
-        chunks = [i for i, w in enumerate(work) if len(w.tokens) > 1 and not w.spec and plain[i]]
-        if decode:
-            size = buckets.decode_rows(len(decode), self.decode_buckets)
-            outs.append(self._call("decode", [work[i] for i in decode], (size, 1), statuses))
-            order.append(decode)
-        area = buckets.prefill_area(self.max_num_batched_tokens)
-        for rows, width, members in buckets.plan_prefill([len(work[i].tokens) for i in chunks], area,
-                                                          self.max_num_seqs):
-            group = [chunks[m] for m in members]
-            outs.append(self._call("prefill", [work[i] for i in group], (rows, width), statuses))
-            order.append(group)
-        for rows, width, members in buckets.plan_prefill([len(work[i].tokens) for i in prompt], area,
-                                                          self.max_num_seqs):
-            group = [prompt[m] for m in members]
-            outs.append(self._call("prefill", [work[i] for i in group], (rows, width), statuses, prompt=True))
-            order.append(group)
+        if self.packed:
+            for group, wants_prompt in ((plain, False), (prompt, True)):
+                if group:
+                    items = [work[i] for i in group]
+                    rows = buckets.decode_rows(len(items), self.decode_buckets)
+                    width = buckets.packed_width(sum(len(w.tokens) for w in items), rows)
+                    outs.append(self._call("step", items, (rows, width), statuses, prompt=wants_prompt))
+                    order.append(group)
+        else:
+            decode = [i for i in plain if len(work[i].tokens) == 1]
+            chunks = [i for i in plain if len(work[i].tokens) > 1]
+            if decode:
+                size = buckets.decode_rows(len(decode), self.decode_buckets)
+                outs.append(self._call("decode", [work[i] for i in decode], (size, 1), statuses))
+                order.append(decode)
+            area = buckets.prefill_area(self.max_num_batched_tokens)
+            for group, wants_prompt in ((chunks, False), (prompt, True)):
+                for rows, width, members in buckets.plan_prefill([len(work[i].tokens) for i in group], area,
+                                                                  self.max_num_seqs):
+                    outs.append(self._call("prefill", [work[group[m]] for m in members], (rows, width), statuses,
+                                           prompt=wants_prompt))
+                    order.append([group[m] for m in members])
         if verify:
             outs.append(self._call_verify([work[i] for i in verify], statuses))
             order.append(verify)
@@ -340,10 +355,15 @@ class ModelRunner:
 
     def _call(self, name: str, items: list[Work], shape: tuple[int, int], statuses: list,
               prompt: bool = False) -> StepOut:
-        """One fused model call over ``items`` padded to ``shape``, counting any trace;
+        """One fused model call over ``items`` padded to ``shape`` (rows, width), counting any
+        trace; packed (``name == "step"``: tokens int32[width]) or padded ([rows, width]).
         ``prompt``: the prompt-logprobs variant (every item has ``prompt_targets``)."""
-        batch = buckets.pad_batch([w.slot for w in items], [w.tokens for w in items], shape=shape)
-        sampling = self.inputs.sampling(items, shape[0])
+        rows, width = shape
+        if name == "step":
+            batch = buckets.pack_batch([w.slot for w in items], [w.tokens for w in items], rows=rows, width=width)
+        else:
+            batch = buckets.pad_batch([w.slot for w in items], [w.tokens for w in items], shape=shape)
+        sampling = self.inputs.sampling(items, rows)
         vocab = self.backend.vocab_size
         top = max((max(w.top, w.num_logprobs) for w in items), default=0)
         wants = any(w.top > 0 or w.num_logprobs >= 0 for w in items)
@@ -352,9 +372,12 @@ class ModelRunner:
         num_top = buckets.bucket(min(max(top, 1), vocab), lo=MIN_TOP, cap=vocab) if wants else 0
         targets, prompt_top = None, 0
         if prompt:
-            targets = np.full(shape, -1, np.int32)
+            targets = np.full(batch.tokens.shape, -1, np.int32)
             for i, w in enumerate(items):
-                targets[i, : len(w.prompt_targets)] = w.prompt_targets
+                if name == "step":
+                    targets[batch.starts[i]: batch.starts[i] + len(w.prompt_targets)] = w.prompt_targets
+                else:
+                    targets[i, : len(w.prompt_targets)] = w.prompt_targets
             want = max(w.prompt_top for w in items)
             prompt_top = buckets.bucket(min(max(want, 1), vocab), lo=MIN_TOP, cap=vocab)
         before = programs.TRACES[self._step]
@@ -363,7 +386,7 @@ class ModelRunner:
             self.params, self.cache_state, self.pages, batch.tokens, batch.seq_ids, batch.num_tokens, sampling,
             targets, num_top=num_top, prompt_top=prompt_top,
         )
-        self.kv.apply("append_slots", batch.seq_ids, batch.num_tokens, max_tokens=shape[1], slots=False)
+        self.kv.apply("append_slots", batch.seq_ids, batch.num_tokens, max_tokens=width, slots=False)
         if traced := programs.TRACES[self._step] - before:
             # Tracing and compiling happen inside the call, before it returns (execution
             # is asynchronous): the call's time is the compile time.
@@ -373,8 +396,12 @@ class ModelRunner:
         return out
 
     def warmup_shapes(self) -> list[tuple[str, tuple[int, int]]]:
-        """Every (program, shape) a plain step may call: the decode buckets, and
+        """Every (program, shape) a plain step may call: packed, each decode bucket's rows at
+        each width (``buckets.packed_shapes``); padded, the decode buckets and
         ``buckets.prefill_shapes`` of the token budget."""
+        if self.packed:
+            return [("step", shape) for shape in buckets.packed_shapes(self.decode_buckets,
+                                                                       self.max_num_batched_tokens)]
         prefill = buckets.prefill_shapes(buckets.prefill_area(self.max_num_batched_tokens), self.max_num_seqs,
                                          max_width=self.max_blocks_per_seq * self.block_size)
         return [("decode", (rows, 1)) for rows in self.decode_buckets] + [("prefill", shape) for shape in prefill]

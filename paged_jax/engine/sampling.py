@@ -315,19 +315,31 @@ def _draw_truncated(logits, temperature, top_k, top_p, min_p, seeds, steps):
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames="greedy_only")
-def _sample(logits, temperature, top_k, top_p, seeds, steps, min_p, history, greedy_only):
-    logits = logits.astype(jnp.float32)
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-    if history is not None:
-        # Skipped at run time when no row lists anything (every id padding).
-        logits = jax.lax.cond(jnp.any(history.ids >= 0), apply_history, lambda x, _: x, logits, history)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if min_p is None:
-        min_p = jnp.zeros_like(temperature)
+def argmax_last(x: jax.Array) -> jax.Array:
+    """int32[B]: ``jnp.argmax(x, axis=-1)`` of ``x [B, V]`` (the first maximum), in two
+    levels: the maximum of each chunk of up to 128 entries, the first chunk holding the row's
+    maximum, the first maximum in it. XLA:CPU's one-pass argmax reduces (value, index) pairs
+    without vectorising: 6.8 ms for a [64, 49152] f32 batch where this takes 0.3 ms (2-core
+    EPYC, 2026-12-05). Rows holding a NaN give some index (callers flag such rows)."""
+    b, vocab = x.shape
+    chunk = 128
+    while vocab % chunk and chunk > 8:
+        chunk //= 2
+    if vocab % chunk:  # an odd vocabulary: one level
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    tiles = x.reshape(b, vocab // chunk, chunk)
+    which = jnp.argmax(jnp.max(tiles, axis=-1), axis=-1)
+    tile = jnp.take_along_axis(tiles, which[:, None, None], axis=1)[:, 0]
+    return (which * chunk + jnp.argmax(tile, axis=-1)).astype(jnp.int32)
+
+
+def _choose(processed, raw, temperature, top_k, top_p, seeds, steps, min_p, greedy_only):
+    """(tokens, raw log-probabilities) from ``processed`` logits (after the history) and the
+    ``raw`` ones (the reported distribution): greedy rows take the argmax, the others draw."""
+    greedy = argmax_last(processed)
 
     def sampled():
-        drawn = _draw_truncated(logits, temperature, top_k, top_p, min_p, seeds, steps)
+        drawn = _draw_truncated(processed, temperature, top_k, top_p, min_p, seeds, steps)
         return jnp.where(temperature == 0, greedy, drawn).astype(jnp.int32)
 
     if greedy_only is None:  # one program: the sort runs only if some row samples
@@ -336,8 +348,26 @@ def _sample(logits, temperature, top_k, top_p, seeds, steps, min_p, history, gre
         tokens = greedy
     else:
         tokens = sampled()
-    logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    # log_softmax at the chosen token only: no [B, V] log-probabilities are materialised
+    top = jnp.max(raw, axis=-1, keepdims=True)
+    lse = top[:, 0] + jnp.log(jnp.sum(jnp.exp(raw - top), axis=-1))
+    logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - lse
     return tokens, logprobs
+
+
+@functools.partial(jax.jit, static_argnames="greedy_only")
+def _sample(logits, temperature, top_k, top_p, seeds, steps, min_p, history, greedy_only):
+    logits = logits.astype(jnp.float32)
+    if min_p is None:
+        min_p = jnp.zeros_like(temperature)
+    args = (temperature, top_k, top_p, seeds, steps, min_p, greedy_only)
+    if history is None:
+        return _choose(logits, logits, *args)
+    # Skipped at run time when no row lists anything (every id padding). Each branch returns
+    # only [B] results: a branch returning the [B, V] logits unchanged would copy them.
+    return jax.lax.cond(jnp.any(history.ids >= 0),
+                        lambda x: _choose(apply_history(x, history), x, *args),
+                        lambda x: _choose(x, x, *args), logits)
 
 
 def sample(

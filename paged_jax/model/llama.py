@@ -383,24 +383,33 @@ def dense_attend(kv, layer, q, k, v):
 
 
 class PagedContext(NamedTuple):
-    """What every layer of a paged step shares (from ``append_slots`` and the cache state)."""
+    """What every layer of a paged step shares (from ``append_slots`` and the cache state).
 
-    slot_mapping: jax.Array  # int32[B, T]; physical slot per new token, -1 for padding
+    Padded steps feed ``[B, T]`` tokens; packed steps feed ``[1, N]``: every row's new
+    tokens one after another, row b's from ``q_starts[b]`` (``paged_jax.steps``)."""
+
+    slot_mapping: jax.Array  # int32[B, T] (packed: [1, N]); physical slot per new token, -1 for padding
     block_tables: jax.Array  # int32[B, P]; the batch rows' block tables (after the append)
     lengths: jax.Array  # int32[B]; KV length including the new tokens; 0 for padding rows
     q_lens: jax.Array  # int32[B]; new tokens per row (<= T)
+    q_starts: jax.Array | None = None  # int32[B]: packed steps only, where row b's tokens start
 
 
 def make_paged_attend(ctx: PagedContext, *, impl: str = "auto") -> AttendFn:
     """Backend over ``kv = KVPages`` (all layers): write the layer's new K/V through the
     slot mapping, then attend through the block tables (one contract for decode, T = 1,
-    and chunks; ``attention.dispatch`` picks the implementation)."""
+    and chunks, padded or packed; ``attention.dispatch`` picks the implementation)."""
 
     def attend(pages: KVPages, layer: jax.Array, q, k, v):
         pages = write_tokens(pages, ctx.slot_mapping, k, v, layer=layer)
-        out = dispatch.paged_attention(
-            q, pages, ctx.block_tables, ctx.lengths, ctx.q_lens, layer=layer, impl=impl
-        )
+        if ctx.q_starts is None:
+            out = dispatch.paged_attention(
+                q, pages, ctx.block_tables, ctx.lengths, ctx.q_lens, layer=layer, impl=impl
+            )
+        else:  # q [1, N, Hq, D]: the packed batch
+            out = dispatch.ragged_paged_attention(
+                q[0], pages, ctx.block_tables, ctx.lengths, ctx.q_starts, ctx.q_lens, layer=layer, impl=impl
+            )[None]
         return out, pages
 
     return attend

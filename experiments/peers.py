@@ -295,7 +295,7 @@ def main(argv=None) -> dict:
         for dtype in args.dtypes:
             workload = workloads[dtype] = {"model": os.path.abspath(args.model), "dtype": dtype, "prompts": prompts,
                         "max_tokens": args.max_tokens, "kv_cache_bytes": int(args.kv_cache_gib * 2**30),
-                        "max_model_len": 2048}
+                        "max_model_len": 2048, "enable_prefix_caching": False}
             path = os.path.join(tmp, f"workload_{dtype}.json")
             with open(path, "w") as f:
                 json.dump(workload, f)

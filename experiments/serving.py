@@ -18,7 +18,11 @@ OpenAI-compatible server, with vLLM's benchmark semantics.
   E2E, normalised latency (E2E / output tokens, the paper's y axis).
 - **Figures**: p50/p99 of each, mean normalised latency vs rate, goodput (requests/s that
   meet TTFT <= ``--slo-ttft`` and TPOT <= ``--slo-tpot``), and the highest rate in the sweep
-  whose mean normalised latency stays under ``--latency-bound`` ("sustained").
+  whose mean normalised latency stays under ``--latency-bound`` ("sustained"), and the
+  capacity: what a server overloaded at the highest rate completes (output tokens/s,
+  requests/s). The workload is finite, so queueing delay is bounded and a server can stay
+  under the bound at a rate it does not keep up with; the capacity ratio says how far apart
+  two such servers are.
 - **Server overhead at rate 1** (requests alone): each request's E2E through the server
   minus the same request run alone by ``LLM.generate`` in this process (same options, warm),
   back to back so the machine's load drifts out of each difference: the median is the
@@ -29,7 +33,8 @@ OpenAI-compatible server, with vLLM's benchmark semantics.
   ``sustained_rate_ratio_vs_vllm`` is ours / vLLM's sustained rate (null without vLLM).
 
 Headline: ``sustained_rate_ratio_vs_vllm``, ``sustained_rate``, ``server_overhead_ms_p50``,
-``ttft_p50_s_at_rate_1``, ``normalized_latency_s_at_max_rate``, ``goodput_at_max_rate``.
+``ttft_p50_s_at_rate_1``, ``normalized_latency_s_at_max_rate``, ``goodput_at_max_rate``,
+``capacity_ratio_vs_vllm``.
 """
 
 from __future__ import annotations
@@ -244,9 +249,13 @@ def vllm_status() -> tuple[str | None, str]:
 
 
 def vllm_command(python: str, model: str, port: int, options: dict) -> list[str]:
+    """``vllm serve`` with our options' values. Prefix caching is set explicitly: vLLM turns
+    it on by default (ours off), and the study sends the same prompts at every rate, so a
+    cache on one side only would skip that side's prefills from the second rate on."""
+    caching = "--enable-prefix-caching" if options["enable_prefix_caching"] else "--no-enable-prefix-caching"
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
             "--served-model-name", NAME, "--dtype", options["dtype"], "--max-num-seqs", str(options["max_num_seqs"]),
-            "--max-model-len", str(options["max_model_len"]), "--block-size", str(options["block_size"])]
+            "--max-model-len", str(options["max_model_len"]), "--block-size", str(options["block_size"]), caching]
 
 
 class ServerFailed(RuntimeError):
@@ -416,6 +425,33 @@ def sustained_interpolated(by_rate: dict, bound: float) -> float | None:
     return lat[-1][0]
 
 
+def capacity(by_rate: dict) -> dict:
+    """What a server completed at the highest swept rate: output tokens/s and requests/s
+    over the run, and whether that rate overloaded it (TTFT p50 >= 5x the lowest rate's:
+    a queue formed), in which case those are its capacity for this workload. A finite
+    workload bounds queueing delay, so an overloaded server can stay under a latency bound
+    at a rate it does not keep up with; the capacity says how far from keeping up it is."""
+    pts = sorted((float(r), v["summary"]) for r, v in by_rate.items())
+    (_, low), (rate, top) = pts[0], pts[-1]
+    if not top.get("completed") or top.get("failed"):
+        return {"output_tokens_per_s": None, "requests_per_s": None, "overloaded": None, "rate": rate}
+    return {"output_tokens_per_s": top["output_tokens_per_s"], "requests_per_s": top["request_throughput"],
+            "overloaded": bool(low.get("ttft_p50_s") and top["ttft_p50_s"] >= 5 * low["ttft_p50_s"]), "rate": rate}
+
+
+def capacity_headline(ours: dict, vllm_by_rate: dict | None) -> dict:
+    """The headline's capacity keys: ours, vLLM's, and the ratio when both were overloaded."""
+    mine = capacity(ours)
+    theirs = capacity(vllm_by_rate) if vllm_by_rate else None
+    both = theirs is not None and mine["overloaded"] and theirs["overloaded"]
+    return {"capacity_output_tokens_per_s": mine["output_tokens_per_s"],
+            "capacity_requests_per_s": mine["requests_per_s"],
+            "vllm_capacity_output_tokens_per_s": theirs["output_tokens_per_s"] if theirs else None,
+            "vllm_capacity_requests_per_s": theirs["requests_per_s"] if theirs else None,
+            "capacity_ratio_vs_vllm": mine["output_tokens_per_s"] / theirs["output_tokens_per_s"] if both else None,
+            "capacity_overloaded": {"ours": mine["overloaded"], "vllm": theirs["overloaded"] if theirs else None}}
+
+
 def bench_dataset(requests, path: str) -> str:
     """The workload as vLLM's custom dataset (JSONL: prompt, output_tokens), for its client."""
     with open(path, "w") as f:
@@ -492,6 +528,7 @@ def claim_evidence(result: dict) -> dict:
     if ratio is None:
         return {"C8": {"ours": f"vs vLLM not measured ({h.get('sustained_rate_ratio_reason')})",
                        "why": "The serving comparison with vLLM did not run."}}
+    cap = h.get("capacity_ratio_vs_vllm")
     at_least = lambda key: ">= " if h.get(f"{key}_censored") else ""  # under the bound at the highest rate
     rates = (f"{at_least('sustained_rate')}{h['sustained_rate']:.2f} vs vLLM's "
              f"{at_least('vllm_sustained_rate')}{h['vllm_sustained_rate']:.2f} req/s")
@@ -500,6 +537,7 @@ def claim_evidence(result: dict) -> dict:
         "why": (f"Under arrivals over time (the paper's serving figure) our OpenAI server sustains {ratio:.2f}x the "
                 f"request rate of `vllm serve` at the same normalised-latency bound ({rates}): "
                 + ("at least vLLM's" if ratio >= 1 else "below vLLM's")
+                + (f"; overloaded, ours completes {cap:.2f}x vLLM's output tokens/s" if cap else "")
                 + ". vLLM is paged too, so this compares two paged engines serving (step speed, scheduling), "
                 "not the gain over static allocation; the verdict stays the throughput study's.")}}
 
@@ -644,6 +682,7 @@ def main(argv: list[str] | None = None) -> dict:
         "normalized_latency_s_at_max_rate": top.get("normalized_latency_mean_s"),
         "goodput_at_max_rate": top.get("goodput"),
         "max_rate": max(rates),
+        **capacity_headline(ours, vllm["by_rate"] if vllm["ran"] else None),
     }
     if bench:
         agree = {r: v["vllm_client_over_ours"] for r, v in bench.items() if v.get("vllm_client")}

@@ -15,6 +15,13 @@ For float32 and bfloat16 (``--dtypes``):
   power-of-two decode buckets = mean over 1..batch live rows of the time spent on padding
   rows (interpolating the measured curve), vs buckets in multiples of 8.
 - **prefill**: one prefill call of 4 rows x 128 tokens: tokens/s vs decode's.
+- **what the rest is**: the step at ``--batch`` rows without attention's reads
+  (``experiments/lib/ablations.py``: zeros for attention's output; the K/V writes stay),
+  its matmul FLOPs per second against the peak; the machine's streaming bandwidth (a
+  jitted sum over a 512 MiB array, too big for any cache); and the **floor** those
+  give: the matmuls at the peak plus the KV reads at that bandwidth (weights streamed
+  from memory overlap the matmuls at best, so ``max(matmul time at peak, weight bytes at
+  bandwidth)``).
 - **host share**: an ``LLM`` decoding ``--batch`` prompts; its decode-only engine steps
   (``stats.timeline``) vs the bare step at the same rows: what scheduling, Python and the
   one fetch add.
@@ -94,6 +101,30 @@ def matmul_peak(dtype: str, rows: int, reps: int) -> dict:
     return out
 
 
+def memory_bandwidth(reps: int, mib: int = 512) -> dict:
+    """GB/s of a jitted f32 sum over ``mib`` MiB: one streaming read, bigger than any cache."""
+    x = jnp.ones((mib * 2**20 // 4,), jnp.float32)
+    f = jax.jit(jnp.sum)
+    t = _time(lambda: f(x), 2 * reps)
+    return {**t, "bytes": x.nbytes, "gb_per_s": x.nbytes / t["wall_s"] / 1e9}
+
+
+def time_budget(fb: dict, step_s: float, no_attention_s: float, peak_flop_per_s: float, bandwidth: float) -> dict:
+    """The step's time against its floor on this machine (seconds; shares of the step).
+
+    ``fb``: ``step_flops_bytes``; ``bandwidth``: bytes/s. The floor: the matmuls at the
+    microbenchmark's FLOP/s or the weights streamed at ``bandwidth`` (whichever is longer:
+    they overlap at best), plus the KV read at ``bandwidth`` (attention's FLOPs are few)."""
+    matmul_s, weights_s = fb["matmul_flops"] / peak_flop_per_s, fb["weight_bytes"] / bandwidth
+    kv_s = fb["kv_read_bytes"] / bandwidth
+    floor = max(matmul_s, weights_s) + kv_s
+    return {"matmul_at_peak_s": matmul_s, "weights_at_bandwidth_s": weights_s, "kv_read_at_bandwidth_s": kv_s,
+            "floor_s": floor, "step_over_floor": step_s / floor,
+            "attention_s": step_s - no_attention_s, "attention_share": 1 - no_attention_s / step_s,
+            "attention_over_kv_read_at_bandwidth": (step_s - no_attention_s) / kv_s,
+            "no_attention_share_of_matmul_peak": fb["matmul_flops"] / no_attention_s / peak_flop_per_s}
+
+
 def step_flops_bytes(cfg, rows: int, context: int) -> dict:
     h, i, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -109,14 +140,14 @@ def step_flops_bytes(cfg, rows: int, context: int) -> dict:
 class _Decode:
     """A jitted decode step at ``rows`` rows each holding ``context`` tokens, re-run in place."""
 
-    def __init__(self, cfg, params, rows: int, context: int):
+    def __init__(self, cfg, params, rows: int, context: int, attention_impl: str = "auto"):
         from experiments.lib import steps as lib_steps
         from paged_jax.config import CacheConfig
         from paged_jax.steps import init_pages_for, make_step_fns
 
         per = context // 16 + 4
         self.cc = CacheConfig(num_blocks=rows * per, block_size=16, max_seqs=rows, max_blocks_per_seq=per)
-        self.fns = make_step_fns(cfg)
+        self.fns = make_step_fns(cfg, attention_impl=attention_impl)
         self.params = params
         self.state = lib_steps.filled_state(self.cc, "lifo", rows, context)
         self.pages = init_pages_for(cfg, self.cc)
@@ -222,9 +253,13 @@ def _padding_waste(times: dict[int, float], batch: int) -> dict:
 
 def main(argv=None) -> dict:
     args = _parse(argv)
+    from experiments.lib import ablations
     from paged_jax.model import init_params
     from paged_jax.model.llama import pack_params
 
+    no_attention = ablations.register()
+    print("memory bandwidth ...", flush=True)
+    bandwidth = memory_bandwidth(args.reps, mib=64 if args.quick else 512)
     results = {}
     for dtype in args.dtypes:
         cfg = model_config(args.quick, dtype)
@@ -240,6 +275,7 @@ def main(argv=None) -> dict:
             if rows == args.batch:
                 main_step = (step, t)
         step, t = main_step
+        t_none = _time(_Decode(cfg, params, args.batch, args.context, no_attention), args.reps)
         fb = step_flops_bytes(cfg, args.batch, args.context)
         achieved = fb["flops"] / t["wall_s"]
         peak_flops = peak["mlp"]["gflop_per_s"] * 1e9
@@ -258,13 +294,21 @@ def main(argv=None) -> dict:
             "prefill_over_decode_tokens_per_cpu_s": (prefill["rows"] * prefill["length"] / prefill["cpu_s"])
             / (args.batch / t["cpu_s"]),
             "host": host, "config_rows": args.batch,
+            "no_attention": t_none,
+            "budget": time_budget(fb, t["wall_s"], t_none["wall_s"], peak_flops, bandwidth["gb_per_s"] * 1e9),
         }
         results[dtype]["cpu_basis"] = derive({dtype: results[dtype]})[dtype]
         d = results[dtype]["decode"]
         print(f"  decode {args.batch} rows: {t['wall_s'] * 1e3:.0f} ms wall ({t['cpu_s'] * 1e3:.0f} ms CPU), "
               f"{d['achieved_gflop_per_s']:.0f} GFLOP/s = {d['share_of_matmul_peak']:.0%} of the matmul peak "
               f"{peak['mlp']['gflop_per_s']:.0f} ({results[dtype]['cpu_basis']['share_of_matmul_peak_cpu']:.0%} per "
-              f"CPU-second); host phases {host['host_phase_share']}", flush=True)
+              f"CPU-second); host phases {host['host_phase_share']:.1%} of an engine step", flush=True)
+        b = results[dtype]["budget"]
+        print(f"  without attention's reads {t_none['wall_s'] * 1e3:.0f} ms ({b['no_attention_share_of_matmul_peak']:.0%} "
+              f"of the peak); attention {b['attention_share']:.0%} of the step, {b['attention_over_kv_read_at_bandwidth']:.1f}x "
+              f"its KV read at {bandwidth['gb_per_s']:.1f} GB/s; floor {b['floor_s'] * 1e3:.0f} ms (matmuls at peak "
+              f"{b['matmul_at_peak_s'] * 1e3:.0f}, weights at bandwidth {b['weights_at_bandwidth_s'] * 1e3:.0f}, KV "
+              f"{b['kv_read_at_bandwidth_s'] * 1e3:.0f}): step / floor {b['step_over_floor']:.2f}", flush=True)
     head = {}
     for dtype, r in results.items():
         s = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
@@ -276,12 +320,17 @@ def main(argv=None) -> dict:
         head[f"{s}_host_share_vs_bare_step"] = r["host"]["host_share_vs_bare_step"]
         head[f"{s}_host_share_vs_bare_step_min"] = r["host"]["host_share_vs_bare_step_min"]
         head[f"{s}_padding_waste_pow2"] = r["padding_waste"]["pow2_from_8"]
+        head[f"{s}_attention_share"] = r["budget"]["attention_share"]
+        head[f"{s}_no_attention_share_of_matmul_peak"] = r["budget"]["no_attention_share_of_matmul_peak"]
+        head[f"{s}_step_over_floor"] = r["budget"]["step_over_floor"]
     if "float32" in results and "bfloat16" in results:
         head["bf16_over_fp32_decode_speedup"] = results["float32"]["decode"]["wall_s"] / results["bfloat16"]["decode"]["wall_s"]
         head["bf16_over_fp32_decode_speedup_cpu"] = (results["float32"]["decode"]["cpu_s"]
                                                      / results["bfloat16"]["decode"]["cpu_s"])
+    head["memory_gb_per_s"] = bandwidth["gb_per_s"]
     print_headline(head)
-    out = {"study": "step_profile", "config": vars(args), "machine": machine_info(), "results": results,
+    out = {"study": "step_profile", "config": vars(args), "machine": machine_info(), "memory_bandwidth": bandwidth,
+           "results": results,
            "headline": head, "note": "wall figures (share_of_matmul_peak: step FLOPs per wall second over the matmul microbenchmark's) hold on a quiet machine; cpu_basis figures (per CPU-second) are what other jobs disturb least"}
     write_json(args.out, "step_profile", out)
     return out

@@ -101,7 +101,22 @@ def test_step_profile_quick(tmp_path):
     assert r["decode"]["flops"] > r["decode"]["matmul_flops"] > 0 and r["matmul_peak"]["mlp"]["gflop_per_s"] > 0
     assert 0 <= r["padding_waste"]["pow2_from_8"] < 1 and r["host"]["decode_steps"] > 0
     assert 0 < r["host"]["host_phase_share"] < 1 and r["cpu_basis"]["share_of_matmul_peak_cpu"] > 0
+    b = r["budget"]
+    assert r["no_attention"]["wall_s"] > 0 and b["floor_s"] > 0 and out["memory_bandwidth"]["gb_per_s"] > 0
+    assert b["kv_read_at_bandwidth_s"] > 0 and b["floor_s"] >= b["matmul_at_peak_s"]
     assert (tmp_path / "step_profile.json").exists()
+
+
+def test_time_budget_floor_is_the_longer_of_matmuls_and_weights_plus_kv():
+    from experiments.step_profile import time_budget
+
+    fb = {"matmul_flops": 100e9, "weight_bytes": 2e9, "kv_read_bytes": 1e9}
+    # matmuls at 1e12 FLOP/s: 0.1 s; weights at 10 GB/s: 0.2 s (the longer); KV: 0.1 s
+    b = time_budget(fb, step_s=0.6, no_attention_s=0.4, peak_flop_per_s=1e12, bandwidth=10e9)
+    assert b["floor_s"] == pytest.approx(0.3) and b["step_over_floor"] == pytest.approx(2.0)
+    assert b["attention_s"] == pytest.approx(0.2) and b["attention_share"] == pytest.approx(1 / 3)
+    assert b["attention_over_kv_read_at_bandwidth"] == pytest.approx(2.0)
+    assert b["no_attention_share_of_matmul_peak"] == pytest.approx(0.25)
 
 
 def test_startup_ratio_uses_the_cold_run_and_the_warm_rerun():

@@ -40,6 +40,38 @@ def test_overhead_split_recovers_fixed_and_per_token_costs():
     assert serving.overhead_split([8, 8], [0.001, 0.002]) == {"fixed_ms": None, "per_token_ms": None}
 
 
+def _by_rate(*rows):
+    """{rate: {"summary": ...}} from (rate, ttft p50 s, output tok/s, requests/s) rows."""
+    return {str(r): {"summary": {"completed": 8, "failed": 0, "ttft_p50_s": t, "output_tokens_per_s": tok,
+                                 "request_throughput": req}} for r, t, tok, req in rows}
+
+
+def test_capacity_is_what_an_overloaded_server_completed_at_the_top_rate():
+    ours = _by_rate((1.0, 0.1, 30.0, 0.95), (32.0, 5.0, 300.0, 9.0))
+    vllm = _by_rate((1.0, 0.08, 31.0, 0.95), (32.0, 2.0, 450.0, 13.5))
+    h = serving.capacity_headline(ours, vllm)
+    assert h["capacity_ratio_vs_vllm"] == pytest.approx(300 / 450)
+    assert (h["capacity_requests_per_s"], h["vllm_capacity_requests_per_s"]) == (9.0, 13.5)
+    assert h["capacity_overloaded"] == {"ours": True, "vllm": True}
+    keeps_up = _by_rate((1.0, 0.08, 31.0, 0.95), (32.0, 0.3, 900.0, 28.0))  # TTFT < 5x unloaded: no queue
+    h = serving.capacity_headline(ours, keeps_up)
+    assert h["capacity_overloaded"]["vllm"] is False and h["capacity_ratio_vs_vllm"] is None
+    assert serving.capacity_headline(ours, None)["vllm_capacity_output_tokens_per_s"] is None
+
+
+def test_vllm_gets_our_prefix_caching_setting():
+    """vLLM turns prefix caching on by default; the study repeats its prompts at every rate."""
+    for caching, flag in ((False, "--no-enable-prefix-caching"), (True, "--enable-prefix-caching")):
+        options = {**serving.engine_options(quick=False), "enable_prefix_caching": caching}
+        cmd = serving.vllm_command("python", "m", 8000, options)
+        assert flag in cmd and cmd[cmd.index("--max-num-seqs") + 1] == str(options["max_num_seqs"])
+        assert ours_flag(serving.ours_command("m", 8000, options)) == caching
+
+
+def ours_flag(cmd):
+    return "--enable-prefix-caching" in cmd and "--no-enable-prefix-caching" not in cmd
+
+
 def _saved(ratio):
     h = {"sustained_rate_ratio_vs_vllm": ratio, "sustained_rate": 2.0, "vllm_sustained_rate": 2.0 / ratio if ratio
          else None, "latency_bound_s_per_token": 0.2, "sustained_rate_ratio_reason": None if ratio else "skipped"}

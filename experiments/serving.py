@@ -432,11 +432,11 @@ def capacity(by_rate: dict) -> dict:
     workload bounds queueing delay, so an overloaded server can stay under a latency bound
     at a rate it does not keep up with; the capacity says how far from keeping up it is."""
     pts = sorted((float(r), v["summary"]) for r, v in by_rate.items())
-    (_, low), (rate, top) = pts[0], pts[-1]
+    (_, low), (_, top) = pts[0], pts[-1]
     if not top.get("completed") or top.get("failed"):
-        return {"output_tokens_per_s": None, "requests_per_s": None, "overloaded": None, "rate": rate}
+        return {"output_tokens_per_s": None, "requests_per_s": None, "overloaded": None}
     return {"output_tokens_per_s": top["output_tokens_per_s"], "requests_per_s": top["request_throughput"],
-            "overloaded": bool(low.get("ttft_p50_s") and top["ttft_p50_s"] >= 5 * low["ttft_p50_s"]), "rate": rate}
+            "overloaded": bool(low.get("ttft_p50_s") and top["ttft_p50_s"] >= 5 * low["ttft_p50_s"])}
 
 
 def capacity_headline(ours: dict, vllm_by_rate: dict | None) -> dict:

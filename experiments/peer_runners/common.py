@@ -3,8 +3,8 @@
 A runner is ``python RUNNER.py WORKLOAD.json OUT.json``. The workload (written by
 ``experiments/peers.py``): ``{"model": dir, "dtype": name, "prompts": [[ids]], "max_tokens": N,
 "kv_cache_bytes": B, "max_model_len": N, "enable_prefix_caching": false}`` (prefix caching
-off in every engine: the timed pass repeats the first pass's prompts). The runner loads the engine (``load_s``), runs the whole workload
-once untimed-but-recorded (``first_call_s``: compiles included), then again timed, and writes
+off in every engine: the timed pass repeats the first pass's prompts). The runner loads the
+engine (``load_s``), runs the whole workload once untimed-but-recorded (``first_call_s``: compiles included), then again timed, and writes
 ``{"name", "versions", "load_s", "first_call_s", "run_s", "cpu_s" (the timed pass's CPU seconds
 over the process tree), "first_token_s": [per prompt, from
 the run's start], "finish_s": [...], "tokens": [[ids]], "peak_rss_bytes"}``: the peak summed

@@ -15,7 +15,7 @@ def load(w):
     from paged_jax import LLM
 
     return LLM(w["model"], dtype=w["dtype"], kv_cache_memory_bytes=w["kv_cache_bytes"], seed=0,
-               enable_prefix_caching=w.get("enable_prefix_caching", False))
+               enable_prefix_caching=w["enable_prefix_caching"])
 
 
 def run_pass(llm, w):

@@ -18,7 +18,7 @@ def load(w):
     # prefix caching as the workload says (vLLM's default is on, ours off): the timed pass
     # repeats the first pass's prompts, so a cache on one side only would skip its prefills
     return LLM(model=w["model"], dtype=w["dtype"], seed=0, max_model_len=w.get("max_model_len", 2048),
-               enable_prefix_caching=w.get("enable_prefix_caching", False))
+               enable_prefix_caching=w["enable_prefix_caching"])
 
 
 def run_pass(llm, w):

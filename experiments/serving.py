@@ -128,6 +128,9 @@ async def _one(session, url: str, prompt: str, max_tokens: int, delay: float, t0
             "itl": np.diff(events).tolist(), "normalized": e2e / max(tokens, 1)}
 
 
+CLIENT = "asyncio + aiohttp streaming /v1/completions"  # what _session and _one are, for the JSON
+
+
 def _session():
     """The study's HTTP client (aiohttp, as vLLM's benchmark client: it costs the measurement
     ~1.5-2 ms less per request than httpx on the 2-core VM, 2026-12-06), no connection limit."""
@@ -362,11 +365,11 @@ def paired_overhead(url: str, llm, requests, repeats: int, pid: int | None = Non
 
     async def pairs_of():
         pairs = []
-        async with _session() as client:  # one client: no per-request setup
+        async with _session() as session:  # one session: no per-request setup
             for _ in range(repeats):
                 for text, m in requests:
                     c0 = process_cpu_s(pid) if pid else None
-                    served = await _one(client, url, text, m, 0.0, time.perf_counter())
+                    served = await _one(session, url, text, m, 0.0, time.perf_counter())
                     c1 = process_cpu_s(pid) if pid else None
                     start, p0 = time.perf_counter(), time.process_time()
                     llm.generate([text], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True), use_tqdm=False)
@@ -701,7 +704,7 @@ def main(argv: list[str] | None = None) -> dict:
         "config": {"model": _shown(args.model), "quick": quick, "num_prompts": num, "rates": rates,
                    "burstiness": args.burstiness, "slo_ttft_s": slo[0], "slo_tpot_s": slo[1],
                    "engine_options": options,
-                   "output_tokens": [m for _, m in requests], "client": "asyncio + aiohttp streaming /v1/completions"},
+                   "output_tokens": [m for _, m in requests], "client": CLIENT},
         "ours": strip(ours),
         "vllm": {**vllm, "by_rate": strip(vllm["by_rate"])} if vllm["ran"] else vllm,
         "server_overhead": {**overhead_ms, "model": _shown(args.overhead_model),
@@ -737,7 +740,7 @@ def overhead_only(args) -> dict:
           f"CPU p50 {oh['cpu_ms_p50'] or float('nan'):.2f} ms, engine alone {oh['engine_e2e_ms_p50']:.1f} ms, "
           f"through the server {oh['server_e2e_ms_p50']:.1f} ms ({oh['pairs']} pairs)")
     result = {"study": "serving_overhead", "machine": machine_info(),
-              "config": {"model": _shown(args.overhead_model), "engine": mode, "client": "asyncio + aiohttp", "num_prompts": num, "repeats": repeats,
+              "config": {"model": _shown(args.overhead_model), "engine": mode, "client": CLIENT, "num_prompts": num, "repeats": repeats,
                          "engine_options": options, "output_tokens": [m for _, m in requests]},
               "server_overhead": oh, "loadavg_1_5_15_min": got["loadavg"],
               "headline": {"server_overhead_ms_p50": oh["p50"], "server_cpu_overhead_ms_p50": oh["cpu_ms_p50"]}}

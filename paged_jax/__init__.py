@@ -18,6 +18,7 @@ from paged_jax.engine import (
     Logprob,
     RequestMetrics,
     RequestOutput,
+    RequestOutputKind,
     SamplingParams,
 )
 
@@ -31,5 +32,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CacheConfig", "CompletionOutput",
-    "Logprob", "RequestMetrics", "RequestOutput", "SamplingParams", "Tokenizer", "__version__", "smollm2",
+    "Logprob", "RequestMetrics", "RequestOutput", "RequestOutputKind", "SamplingParams", "Tokenizer", "__version__", "smollm2",
 ]

@@ -14,7 +14,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-from paged_jax import LLM, SamplingParams  # noqa: E402
+from paged_jax import LLM, CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams  # noqa: E402
 from paged_jax.serve import start_in_thread  # noqa: E402
 from paged_jax.serve.async_engine import AsyncEngine, _put_all, _Stream  # noqa: E402
 
@@ -72,6 +72,23 @@ def test_put_all_keeps_the_latest_output_and_an_error_sticks():
         s.item, s.waiter = None, asyncio.get_running_loop().create_future()
         _put_all([(s, "d")])
         assert s.waiter.done() and s.item == "d"
+
+    asyncio.run(main())
+
+
+def test_put_all_merges_unread_deltas():
+    async def main():
+        s = _Stream(asyncio.get_running_loop(), 0.0, RequestOutputKind.DELTA)
+        a = RequestOutput("r", [1, 2], [CompletionOutput(0, [5], -1.0, None, "ab", [{5: -1.0}]),
+                                        CompletionOutput(1, [7], -0.5, None, "x", [{7: -0.5}])], finished=False)
+        b = RequestOutput("r", None, [CompletionOutput(0, [6], -2.5, "length", "c", [{6: -1.5}])], finished=True)
+        _put_all([(s, a)])
+        _put_all([(s, b)])
+        got = s.item
+        assert s.coalesced == 1 and got.finished and got.prompt_token_ids == [1, 2]
+        assert [(c.index, c.token_ids, c.text, c.logprobs, c.finish_reason, c.cumulative_logprob)
+                for c in got.outputs] == [(0, [5, 6], "abc", [{5: -1.0}, {6: -1.5}], "length", -2.5),
+                                          (1, [7], "x", [{7: -0.5}], None, -0.5)]
 
     asyncio.run(main())
 

@@ -8,7 +8,8 @@ import asyncio
 import pytest
 from engine_fakes import fake_backend
 
-from paged_jax import LLM, SamplingParams
+from paged_jax import LLM, RequestOutputKind, SamplingParams
+from paged_jax.engine.outputs import OutputAccumulator
 from paged_jax.serve.async_engine import AsyncEngine
 from paged_jax.serve.core import EngineCore, EngineError, Overloaded
 
@@ -98,3 +99,48 @@ def test_thread_engine_streams_raise_engine_error_when_a_step_fails(llm):
     finally:
         engine.shutdown()
     assert not engine.alive
+
+
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_streams_yield_what_their_output_kind_asks(llm, kind):
+    """The core reports deltas whatever the caller asked; the caller's side gives a DELTA
+    stream deltas (concatenating to the whole output), a FINAL_ONLY stream one output, a
+    CUMULATIVE stream growing whole outputs; the metrics count every token either way."""
+    params = [SamplingParams(temperature=0.8, seed=s, max_tokens=6 + s, n=2, ignore_eos=True, output_kind=kind)
+              for s in range(3)]
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    want = llm.generate(prompts, params, use_tqdm=False)
+    engine = AsyncEngine(llm).start()
+
+    async def main():
+        async def one(p, sp):
+            return [o async for o in engine.submit(p, sp)]
+
+        return await asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params, strict=True)))
+
+    try:
+        got = asyncio.run(asyncio.wait_for(main(), 60))
+        assert engine.wait_idle(60)
+    finally:
+        engine.shutdown()
+    for outs, w in zip(got, want, strict=True):
+        whole = [(c.index, c.token_ids, c.finish_reason) for c in w.outputs]
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        if kind == RequestOutputKind.DELTA:
+            acc = OutputAccumulator()
+            for o in outs:
+                assert sum(len(c.token_ids) for c in o.outputs) <= 2 * 2  # a step's news, merged at most once
+                acc.add(o)
+            last = acc.output()
+        elif kind == RequestOutputKind.FINAL_ONLY:
+            assert len(outs) == 1
+            last = outs[0]
+        else:
+            sizes = [sum(len(c.token_ids) for c in o.outputs) for o in outs]
+            assert sizes == sorted(sizes) and len(outs) > 1
+            last = outs[-1]
+        assert [(c.index, c.token_ids, c.finish_reason) for c in last.outputs] == whole
+        assert last.prompt_token_ids == w.prompt_token_ids
+    text = engine.metrics.render().decode()
+    generated = sum(len(c.token_ids) for w in want for c in w.outputs)
+    assert f"generation_tokens_total {float(generated)}" in text.replace("paged_jax:", "")

@@ -21,7 +21,7 @@ from paged_jax.engine.inspection import CacheInspection, EngineUsage
 from paged_jax.engine.llm import LLM
 from paged_jax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from paged_jax.engine.router import ROUTERS, register_router
-from paged_jax.engine.sampling import Logprob, SamplingParams, sample
+from paged_jax.engine.sampling import Logprob, RequestOutputKind, SamplingParams, sample
 from paged_jax.engine.sequence import SeqInfo, Sequence, SequenceGroup
 from paged_jax.engine.speculative import SpeculativeConfig, ngram_propose
 from paged_jax.engine.victim import VICTIM_POLICIES, VictimPolicy, get_victim_policy, register_victim_policy
@@ -30,7 +30,7 @@ __all__ = [
     "ADMISSION_POLICIES", "LLM", "PREEMPTION_MODES", "ROUTERS", "CacheInspection", "EngineArgs", "EngineUsage", "EngineConfig",
     "LLMEngine", "WaitingInfo", "register_admission_policy", "register_router", "register_victim_policy", "VICTIM_POLICIES", "BeamSearchOutput", "BeamSearchParams",
     "BeamSearchSequence", "CompletionOutput", "Conversation", "ModelBackend",
-    "Logprob", "PagedAccounting", "RequestMetrics", "RequestOutput", "SamplingParams", "SeqInfo", "Sequence", "SequenceGroup",
+    "Logprob", "PagedAccounting", "RequestMetrics", "RequestOutput", "RequestOutputKind", "SamplingParams", "SeqInfo", "Sequence", "SequenceGroup",
     "SpeculativeConfig", "StaticAccounting", "VictimPolicy", "build_backend", "get_victim_policy", "ngram_propose",
     "sample",
 ]

@@ -29,11 +29,11 @@ from paged_jax.engine import intake
 from paged_jax.engine.beam import BeamSearchOutput, BeamSearchParams
 from paged_jax.engine.config import EngineArgs, EngineConfig
 from paged_jax.engine.engine import LLMEngine
-from paged_jax.engine.outputs import RequestOutput, is_done
+from paged_jax.engine.outputs import RequestOutput, delta_output, is_done
 from paged_jax.engine.progress import Progress
 from paged_jax.engine.prompts import normalise_prompts
 from paged_jax.engine.router import Router, run_engines
-from paged_jax.engine.sampling import SamplingParams
+from paged_jax.engine.sampling import RequestOutputKind, SamplingParams
 from paged_jax.engine.sequence import SequenceGroup
 from paged_jax.engine.stats import merged_summary
 
@@ -135,6 +135,7 @@ class LLM(LLMInfo):
         self.router = Router(self.config.parallel.data_parallel_policy, len(self.engines))
         self._next_request = 0
         self._streamed: dict[str, SequenceGroup] = {}  # add_request's, until step() reports them done
+        self._sent: dict[str, dict] = {}  # DELTA requests: what step() reported (outputs.delta_output)
 
     # ------------------------------------------------------------------ what it is
 
@@ -278,20 +279,31 @@ class LLM(LLMInfo):
         return group.request_id
 
     def step(self) -> list:
-        """One step of every engine with work: the outputs (so far) of every request
-        ``add_request`` queued that is still running or finished in this step; a finished
-        one is reported once. An engine left without work releases its last rows here
+        """One step of every engine with work: the outputs of the requests ``add_request``
+        queued, as each one's ``SamplingParams.output_kind`` asks: by default the whole
+        output so far of every one still running or finished in this step (a finished one is
+        reported once); deltas (only requests with news); or final outputs only. An engine left without work releases its last rows here
         (those of requests that finished or were aborted), so an idle engine holds no blocks."""
         for engine in self.engines:
             if engine.has_unfinished():
                 engine.step()
             if not engine.has_unfinished():  # the last step's finished (or aborted) rows go back now
                 engine.flush()
-        groups = list(self._streamed.values())
-        outs = self.outputs(groups)
-        for g in groups:
-            if is_done(g):
+        outs = []
+        for g in list(self._streamed.values()):
+            done = is_done(g)
+            kind = RequestOutputKind.CUMULATIVE if g.beam is not None else getattr(
+                g.params, "output_kind", RequestOutputKind.CUMULATIVE)
+            if kind == RequestOutputKind.DELTA:
+                engine = self.engines[self.router.owner.get(g.request_id, 0)]
+                out = delta_output(g, engine.text, engine.tokenizer, self._sent.setdefault(g.request_id, {}))
+                if out is not None:
+                    outs.append(out)
+            elif kind == RequestOutputKind.CUMULATIVE or done:
+                outs.append(self.outputs([g])[0])
+            if done:
                 del self._streamed[g.request_id]
+                self._sent.pop(g.request_id, None)
                 self.router.forget(g.request_id)
         return outs
 

@@ -133,3 +133,104 @@ def request_output(group, text=None, tokenizer=None):
         prompt_logprobs=with_decoded_tokens(group.prompt_logprobs, tokenizer),
         metrics=RequestMetrics(**metrics),
     )
+
+
+# ---------------------------------------------------------------------------- deltas
+
+
+def delta_output(group, text, tokenizer, sent: dict) -> RequestOutput | None:
+    """What is new in request ``group`` since its previous delta (``RequestOutputKind.DELTA``):
+    a ``RequestOutput`` holding only the completions that brought a token, text or their
+    finish, each with only the new token ids, text and logprobs (``cumulative_logprob`` the
+    running total); the prompt's fields on the first delta only (None after). None when
+    nothing is new and the request is not done. Costs O(what is new), not O(length).
+
+    Args:
+      group: a sampling request's ``SequenceGroup`` (beam searches rewrite their
+        hypotheses: not deltas).
+      text, tokenizer: as ``request_output``'s.
+      sent: the caller's record of what was reported, ``{}`` before the first delta;
+        updated here (completion index -> [tokens, characters, finished]).
+    """
+    first = not sent
+    if first:
+        sent[-1] = True  # the prompt's fields went out
+    reason = FinishReason.REJECTED.value if group.rejected else None
+    outs = []
+    for s in group.seqs:
+        state = sent.setdefault(s.completion, [0, 0, False])
+        if state[2]:
+            continue
+        finish = reason or (s.finish_reason.value if s.finish_reason else None)
+        ids = s.output_token_ids[state[0]:]
+        body = "" if text is None else text.text(s, final=s.finish_reason is not None)
+        new_text = body[state[1]:]
+        if not (ids or new_text or finish):
+            continue
+        logprobs = None if s.output_logprobs is None else with_decoded_tokens(s.output_logprobs[state[0]:], tokenizer)
+        outs.append(CompletionOutput(index=s.completion, token_ids=list(ids), cumulative_logprob=s.cumulative_logprob,
+                                     finish_reason=finish, text=new_text, logprobs=logprobs,
+                                     stop_reason=s.stop_reason))
+        state[0], state[1], state[2] = len(s.output_token_ids), max(len(body), state[1]), finish is not None
+    done = is_done(group)
+    if not outs and not done and not first:
+        return None
+    metrics = group.metrics or {"arrival_time": time.time()}
+    return RequestOutput(
+        request_id=group.request_id,
+        prompt_token_ids=list(group.prompt_token_ids) if first else None,
+        outputs=outs,
+        finished=done,
+        rejected=group.rejected,
+        prompt=group.prompt_text if first else None,
+        prompt_logprobs=with_decoded_tokens(group.prompt_logprobs, tokenizer) if first else None,
+        metrics=RequestMetrics(**metrics),
+    )
+
+
+class OutputAccumulator:
+    """A request's cumulative ``RequestOutput`` rebuilt from its deltas (``add`` each in
+    order; ``output()`` the whole so far). Appending is O(delta); ``output`` copies."""
+
+    def __init__(self):
+        self.first: RequestOutput | None = None
+        self.last: RequestOutput | None = None
+        self.completions: dict[int, list] = {}  # index -> [token ids, text pieces, logprobs, latest CompletionOutput]
+
+    def add(self, delta: RequestOutput) -> None:
+        if self.first is None:
+            self.first = delta
+        self.last = delta
+        for c in delta.outputs:
+            acc = self.completions.get(c.index)
+            if acc is None:
+                acc = self.completions[c.index] = [[], [], None, c]
+            acc[0].extend(c.token_ids)
+            if c.text:
+                acc[1].append(c.text)
+            if c.logprobs is not None:
+                if acc[2] is None:
+                    acc[2] = []
+                acc[2].extend(c.logprobs)
+            acc[3] = c
+
+    def output(self) -> RequestOutput:
+        first, last = self.first, self.last
+        outs = []
+        for index in sorted(self.completions):
+            ids, pieces, logprobs, c = self.completions[index]
+            if len(pieces) > 1:
+                pieces[:] = ["".join(pieces)]
+            outs.append(dataclasses.replace(c, token_ids=list(ids), text=pieces[0] if pieces else "",
+                                            logprobs=None if logprobs is None else list(logprobs)))
+        return dataclasses.replace(last, prompt_token_ids=first.prompt_token_ids, prompt=first.prompt,
+                                   prompt_logprobs=first.prompt_logprobs, outputs=outs)
+
+
+def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """One delta saying what deltas ``a`` then ``b`` (of one request) say: a consumer that
+    fell behind reads them as one."""
+    acc = OutputAccumulator()
+    acc.add(a)
+    acc.add(b)
+    return acc.output()

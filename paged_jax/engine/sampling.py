@@ -32,6 +32,7 @@ truncation; ranks count the tokens at least as likely (``Logprob.rank``, 1 = the
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import numbers
 from typing import NamedTuple
@@ -59,6 +60,24 @@ class Logprob:
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What ``LLM.step()`` reports of a request (vLLM's ``RequestOutputKind``, same names and
+    values). ``generate`` always returns whole outputs.
+
+    - CUMULATIVE: every step, the whole output so far (each call copies it: O(length)).
+    - DELTA: only what is new since the request's previous output (token ids, text,
+      logprobs; ``cumulative_logprob`` stays the running total), and only in a step that
+      brought something (a token, text, a finish); the prompt's fields (``prompt_token_ids``,
+      ``prompt``, ``prompt_logprobs``) in the first output only, None after. Concatenating
+      a request's deltas gives its cumulative output (``outputs.OutputAccumulator``).
+    - FINAL_ONLY: nothing until the request finishes, then its whole output once.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -99,6 +118,10 @@ class SamplingParams:
         forked ``n`` ways: its full blocks are shared, and the partly filled last one is
         copied on first write. Completion i draws from its own stream, a pure function of
         (request seed, i, step); completion 0's is the request's (as with n = 1).
+      output_kind: what ``LLM.step()`` reports of the request (``RequestOutputKind``):
+        whole outputs every step (the default), deltas, or the final output only. The
+        server asks for deltas when it streams and the final output when it does not, as
+        vLLM's does.
     """
 
     max_tokens: int = 16
@@ -120,6 +143,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         def is_int(x):
@@ -169,6 +193,13 @@ class SamplingParams:
                      "ignore_eos"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be True or False")
+        try:
+            if isinstance(self.output_kind, bool):
+                raise ValueError
+            object.__setattr__(self, "output_kind", RequestOutputKind(self.output_kind))
+        except ValueError:
+            raise ValueError(f"output_kind={self.output_kind!r}: must be a RequestOutputKind "
+                             "(CUMULATIVE, DELTA or FINAL_ONLY)") from None
 
     @property
     def greedy(self) -> bool:

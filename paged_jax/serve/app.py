@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 
 from fastapi import FastAPI, Request
@@ -24,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
+from paged_jax.engine.sampling import RequestOutputKind
 from paged_jax.serve import protocol as P
 from paged_jax.serve.async_engine import AsyncEngine, EngineClient, EngineError, Overloaded
 
@@ -95,9 +97,11 @@ def build_app(llm=None, *, model_name: str | None = None, api_key: str | None = 
         if tokenizer is None:
             raise P.ApiError(400, f"{what} needs a tokenizer: this model has none (send token ids)")
 
-    def admit(ids: list[int], params, field: str):
+    def admit(ids: list[int], params, field: str, stream: bool):
+        # As vLLM's server: deltas to stream, the final output alone to answer at once.
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         try:
-            return engine.submit(ids, params)
+            return engine.submit(ids, dataclasses.replace(params, output_kind=kind))
         except Overloaded as e:
             raise P.ApiError(503, str(e), code="overloaded") from None
         except ValueError as e:
@@ -205,7 +209,7 @@ def build_app(llm=None, *, model_name: str | None = None, api_key: str | None = 
         streams = []
         try:
             for ids, _, params in plan:
-                streams.append(admit(ids, params, "prompt"))
+                streams.append(admit(ids, params, "prompt", req.stream))
         except BaseException:
             for s in streams:
                 s.abort()
@@ -234,43 +238,39 @@ def build_app(llm=None, *, model_name: str | None = None, api_key: str | None = 
 
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         render = P.StreamChunks(rid, "text_completion", created, name, include_usage)
-        # choice index -> [chars sent, tokens sent, finished, text offset of the next token (the
-        # sum of the sent tokens' texts, as the whole completion counts it: the text can lag the
-        # tokens while a character's bytes are incomplete)]
+        # choice index -> [tokens sent, finished, text offset of the next token (the sum of the
+        # sent tokens' texts, as the whole completion counts it: the text can lag the tokens
+        # while a character's bytes are incomplete)]
         sent: dict[int, list[int]] = {}
         totals = [0]  # completion tokens of the finished choices
 
         def choices_of(i, out) -> list[str]:
-            """The rendered choices of stream ``i``'s (cumulative) output: what is new since the
-            last event, however many tokens that is (coalesced outputs), logprobs per token."""
+            """The rendered choices of stream ``i``'s delta (what is new since the last event,
+            however many tokens that is: deltas a slow consumer missed come merged), logprobs
+            per token."""
             choices = []
             for c in out.outputs:
                 idx = i * n + c.index
                 state = sent.get(idx)
-                if state is None:
-                    state = sent[idx] = [0, 0, 0, 0]
-                    first = True
-                else:
-                    first = False
-                    if state[2]:
-                        continue
-                new_ids = c.token_ids[state[1]:]
-                delta = c.text[state[0]:] if len(c.text) >= state[0] else ""
+                first = state is None
                 if first:
-                    delta = echo_text(i) + delta
+                    state = sent[idx] = [0, 0, 0]
+                elif state[1]:
+                    continue
+                delta = echo_text(i) + c.text if first else c.text
                 done = c.finish_reason is not None
-                if not (delta or done or new_ids):
+                if not (delta or done or c.token_ids):
                     continue
                 lp = None
                 if k is not None and c.logprobs is not None:
-                    lp = P.completion_logprobs(new_ids, c.logprobs[state[1]:state[1] + len(new_ids)],
-                                               tokenizer, k, offset=state[3])
+                    lp = P.completion_logprobs(c.token_ids, c.logprobs, tokenizer, k, offset=state[2])
                     if lp["tokens"]:
-                        state[3] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                        state[2] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                 choices.append(P.completion_choice(idx, delta, lp, c.finish_reason, c.stop_reason))
-                state[0], state[1], state[2] = max(len(c.text), state[0]), len(c.token_ids), int(done)
+                state[0] += len(c.token_ids)
+                state[1] = int(done)
                 if done:
-                    totals[0] += len(c.token_ids)
+                    totals[0] += state[0]
             return choices
 
         async def events():
@@ -323,7 +323,7 @@ def build_app(llm=None, *, model_name: str | None = None, api_key: str | None = 
         max_tokens = given if given is not None else max_model_len - len(ids)
         check_length(ids, max_tokens, "messages")
         params = P.sampling_params(req, defaults, max_tokens=max_tokens, logprobs=k)
-        stream = admit(ids, params, "messages")
+        stream = admit(ids, params, "messages", req.stream)
         rid, created, n = P.new_id("chatcmpl"), P.now(), req.n
         include_usage = req.stream_options is not None and req.stream_options.include_usage
 
@@ -339,29 +339,28 @@ def build_app(llm=None, *, model_name: str | None = None, api_key: str | None = 
                     "usage": P.usage(len(ids), sum(len(c.token_ids) for c in out.outputs))}
 
         render = P.StreamChunks(rid, "chat.completion.chunk", created, name, include_usage)
-        sent = [[0, 0, 0] for _ in range(n)]  # per choice: [chars sent, tokens sent, finished]
+        sent = [[0, 0] for _ in range(n)]  # per choice: [tokens sent, finished]
         totals = [0]  # completion tokens of the finished choices
 
         def choices_of(out) -> list[str]:
-            """The rendered choices of the (cumulative) output: what is new since the last
-            event, however many tokens that is (coalesced outputs), logprobs per token."""
+            """The rendered choices of the delta (what is new since the last event, however
+            many tokens that is: deltas a slow consumer missed come merged), logprobs per token."""
             choices = []
             for c in out.outputs:
                 state = sent[c.index]
-                if state[2]:
+                if state[1]:
                     continue
-                new_ids = c.token_ids[state[1]:]
-                delta = c.text[state[0]:] if len(c.text) >= state[0] else ""
                 done = c.finish_reason is not None
-                if not (delta or done or new_ids):
+                if not (c.text or done or c.token_ids):
                     continue
                 lp = None
                 if k is not None and c.logprobs is not None:
-                    lp = P.chat_logprobs(new_ids, c.logprobs[state[1]:state[1] + len(new_ids)], tokenizer, k)
-                choices.append(P.chat_choice(c.index, delta, lp, c.finish_reason, c.stop_reason))
-                state[0], state[1], state[2] = max(len(c.text), state[0]), len(c.token_ids), int(done)
+                    lp = P.chat_logprobs(c.token_ids, c.logprobs, tokenizer, k)
+                choices.append(P.chat_choice(c.index, c.text, lp, c.finish_reason, c.stop_reason))
+                state[0] += len(c.token_ids)
+                state[1] = int(done)
                 if done:
-                    totals[0] += len(c.token_ids)
+                    totals[0] += state[0]
             return choices
 
         async def events():

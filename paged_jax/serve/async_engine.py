@@ -6,12 +6,15 @@ other (continuous batching across clients).
 ``AsyncEngine`` runs it on a thread of this process (tests, notebooks, ``build_app(llm)``);
 ``engine_process.ProcessEngine`` runs it in a process of its own, so the HTTP side's Python
 no longer shares a GIL with the engine step (the server's ``--engine-process``). Either
-way callers get each request's ``RequestOutput``s (cumulative, one per step that changed
-it): the outputs of every request of a step are handed to the loop in one
-``call_soon_threadsafe``, and each request keeps only its latest output until its consumer
-reads it, so outputs that pile up while the consumer is busy (a slow client, a loop waiting
-for the GIL) are read as one (coalesced: the cumulative output holds every token, text and
-logprob).
+way callers get each request's ``RequestOutput``s as its ``SamplingParams.output_kind``
+asks (vLLM's ``RequestOutputKind``): deltas (what the server streams), the final output only
+(what it answers when not streaming), or whole outputs (the default). The core always
+reports deltas, so what crosses from the engine process per step is O(new tokens), not
+O(length); this side adds them up where a caller wants more. The news of every request of a
+step is handed to the loop in one ``call_soon_threadsafe``, and each request keeps one
+unread output until its consumer reads it, so outputs that pile up while the consumer is
+busy (a slow client, a loop waiting for the GIL) are read as one (coalesced: deltas merged,
+or the latest whole output).
 
 - **Join/leave between steps, abort, engine errors**: the core (``core.py``). A caller
   that stops consuming (client disconnect, cancellation) aborts its request.
@@ -35,6 +38,8 @@ import threading
 import time
 
 from paged_jax.engine import intake
+from paged_jax.engine.outputs import OutputAccumulator, merge_deltas
+from paged_jax.engine.sampling import RequestOutputKind
 from paged_jax.serve.core import EngineCore, EngineError, Overloaded, StepReport
 from paged_jax.serve.metrics import ServerMetrics
 
@@ -45,11 +50,15 @@ __all__ = ["AsyncEngine", "EngineClient", "EngineError", "Overloaded", "RequestS
 class _Stream:
     loop: asyncio.AbstractEventLoop
     arrival: float  # perf_counter when submitted
+    kind: RequestOutputKind | None = None  # what the caller reads (None: as the core reports, e.g. beams)
+    prompt_tokens: int = 0
+    acc: OutputAccumulator | None = None  # reporting thread: the whole output, for CUMULATIVE and FINAL_ONLY
     last: float = 0.0  # perf_counter of the last output with new tokens (reporting thread)
-    tokens: int = 0  # reporting thread
-    item: object = None  # loop only: the latest unread output, or an exception (which sticks)
+    tokens: int = 0  # reporting thread: tokens generated so far (all completions)
+    reasons: dict = dataclasses.field(default_factory=dict)  # reporting thread: completion -> finish reason
+    item: object = None  # loop only: the unread output (a merged delta, or the latest whole one) or an exception
     waiter: asyncio.Future | None = None  # loop only: the consumer waiting for ``item``
-    coalesced: int = 0  # loop only: outputs replaced by a later one before being read
+    coalesced: int = 0  # loop only: outputs merged into (or replaced by) a later one before being read
 
 
 class EngineClient:
@@ -139,7 +148,11 @@ class EngineClient:
             self.metrics.rejected.inc()
             raise Overloaded(f"too many requests waiting ({self.num_waiting}; --max-waiting {self.max_waiting})")
         self.validate(prompt_token_ids, params)
-        stream = _Stream(asyncio.get_running_loop(), time.perf_counter())
+        kind = getattr(params, "output_kind", None)
+        if kind is not None and kind != RequestOutputKind.DELTA:  # the core always reports deltas
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+        stream = _Stream(asyncio.get_running_loop(), time.perf_counter(), kind, len(prompt_token_ids),
+                         OutputAccumulator() if kind is not None and kind != RequestOutputKind.DELTA else None)
         with self._lock:
             if self._closed:
                 raise Overloaded("the engine is not running")
@@ -167,10 +180,13 @@ class EngineClient:
 
     def _on_reports(self, reports: list[StepReport]) -> None:
         """On the thread the reports arrive on: metrics, then every stream's news handed to
-        its loop, one ``call_soon_threadsafe`` per loop for all of ``reports``."""
+        its loop, one ``call_soon_threadsafe`` per loop for all of ``reports``. The core
+        reports deltas: a DELTA stream gets them as they are; CUMULATIVE and FINAL_ONLY
+        streams get them added up here (a FINAL_ONLY stream is handed only its final output,
+        so a request that does not stream costs its loop one wake-up, not one per token)."""
         now = time.perf_counter()
+        news: list = []
         items: list = []
-        finished: list = []
         with self._lock:
             streams = self._streams
             for r in reports:
@@ -186,8 +202,7 @@ class EngineClient:
                         continue
                     if out.finished:
                         del streams[out.request_id]
-                        finished.append((out, now - stream.arrival))
-                    items.append((stream, out))
+                    news.append((stream, out))
                 if r.failed is not None:
                     error, ids = r.failed
                     for request_id in ids:
@@ -196,19 +211,32 @@ class EngineClient:
             if reports[-1].idle and self._unapplied == 0:
                 self._idle.set()
         metrics = self.metrics
-        for stream, out in items:
-            if isinstance(out, BaseException):
-                continue
-            tokens = sum(len(c.token_ids) for c in out.outputs)
+        for stream, out in news:
+            kind = stream.kind
+            if kind is None:  # whole outputs (a beam search): count what grew
+                tokens = sum(len(c.token_ids) for c in out.outputs)
+            else:
+                tokens = stream.tokens + sum(len(c.token_ids) for c in out.outputs)
             if tokens > stream.tokens:
                 if stream.tokens == 0:
                     metrics.ttft.observe(now - stream.arrival)
                 else:
                     metrics.itl.observe(now - stream.last)
                 stream.tokens, stream.last = tokens, now
-        for out, seconds in finished:
-            metrics.finished(out, seconds)
-        _hand_over(items)
+            for c in out.outputs:
+                if c.finish_reason is not None:
+                    stream.reasons[c.index] = c.finish_reason
+            if out.finished:
+                metrics.finished(list(stream.reasons.values()), stream.tokens, stream.prompt_tokens,
+                                 now - stream.arrival)
+            if stream.acc is not None:
+                stream.acc.add(out)
+                if kind == RequestOutputKind.FINAL_ONLY and not out.finished:
+                    continue
+                out = stream.acc.output()
+            items.append((stream, out))
+        if items:
+            _hand_over(items)
 
     def _close(self, error: Exception) -> None:
         """The core is gone: every stream still open gets ``error``; nothing more will run."""
@@ -280,7 +308,7 @@ class AsyncEngine(EngineClient):
 
 class RequestStream:
     """One submitted request: ``async for out in stream`` yields its ``RequestOutput``s
-    (each cumulative; the last has ``finished``), raising ``EngineError`` if the engine
+    (as its ``output_kind`` asks, module docstring; the last has ``finished``), raising ``EngineError`` if the engine
     failed (``ValueError`` if the engine refused it). Leaving the loop early, being cancelled in it, or ``abort()`` aborts it."""
 
     def __init__(self, engine: EngineClient, request_id: str, stream: _Stream):
@@ -334,15 +362,17 @@ def _hand_over(items) -> None:
 
 
 def _put_all(items) -> None:
-    """On the loop: each stream's latest output replaces an unread one (outputs are
-    cumulative); an exception replaces anything and is never replaced; the waiting
-    consumer, if any, is woken."""
+    """On the loop: each stream's news joins its unread output (a DELTA stream's deltas are
+    merged; a whole output replaces the older one); an exception replaces anything and is
+    never replaced; the waiting consumer, if any, is woken."""
     for stream, item in items:
         held = stream.item
         if isinstance(held, BaseException):
             continue
         if held is not None:
             stream.coalesced += 1
+            if stream.kind == RequestOutputKind.DELTA and not isinstance(item, BaseException):
+                item = merge_deltas(held, item)
         stream.item = item
         waiter = stream.waiter
         if waiter is not None and not waiter.done():

@@ -39,7 +39,8 @@ class StepReport:
     """What one step (or one batch of commands) changed, for the caller's side; picklable.
 
     Attributes:
-      outputs: the ``RequestOutput`` (cumulative) of every followed request the step changed.
+      outputs: the ``RequestOutput`` of every followed request the step changed, as its
+        ``output_kind`` asks (``EngineClient`` asks for deltas: O(new tokens) to pickle).
       usage: ``LLM.usage()`` after it.
       applied: commands applied since the last report; adds: how many of them were adds.
       rejected: ``(request_id, exception)`` for adds that ``LLM.add_request`` refused.

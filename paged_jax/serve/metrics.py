@@ -78,12 +78,14 @@ class ServerMetrics:
         """Read the engine's counts (``AsyncEngine.usage()``) at every scrape."""
         self._usage.engine = engine
 
-    def finished(self, out, seconds: float) -> None:
+    def finished(self, reasons: list, generated: int, prompt_tokens: int, seconds: float) -> None:
+        """A request ended after ``seconds``: each completion's finish reason, the tokens
+        generated (all completions) and the prompt's length."""
         self.e2e.observe(seconds)
-        for c in out.outputs:
-            self.success.labels(finish_reason=str(c.finish_reason)).inc()
-            self.generation_tokens.inc(len(c.token_ids))
-        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        for reason in reasons:
+            self.success.labels(finish_reason=str(reason)).inc()
+        self.generation_tokens.inc(generated)
+        self.prompt_tokens.inc(prompt_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

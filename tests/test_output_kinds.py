@@ -134,3 +134,17 @@ def test_output_kind_validated_and_generate_returns_whole_outputs(llm):
     for kind in RequestOutputKind:
         got = llm.generate(PROMPTS, dataclasses.replace(sp, output_kind=kind), use_tqdm=False)
         assert [_whole(o) for o in got] == [_whole(o) for o in want]
+
+
+def test_whole_outputs_decode_each_logprob_entry_once(llm, monkeypatch):
+    """CUMULATIVE reports every step's whole output; its logprob entries' text is decoded
+    once per entry (kept on the sequence), not once per entry per step."""
+    from paged_jax.engine import outputs
+
+    decoded = []
+    real = outputs.with_decoded_tokens
+    monkeypatch.setattr(outputs, "with_decoded_tokens", lambda lps, tok: (decoded.append(len(lps or ())), real(lps, tok))[1])
+    got, _ = _run(llm, [SamplingParams(temperature=0, max_tokens=20, logprobs=3, ignore_eos=True)] * len(PROMPTS),
+                  RequestOutputKind.CUMULATIVE, "once")
+    assert all(len(o[-1].outputs[0].logprobs) == 20 for o in got.values())
+    assert sum(decoded) == 20 * len(PROMPTS)

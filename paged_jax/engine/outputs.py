@@ -100,6 +100,24 @@ def with_decoded_tokens(logprobs: list | None, tokenizer) -> list | None:
                                     for t, lp in d.items()} for d in logprobs]
 
 
+def decoded_logprobs(seq, tokenizer) -> list | None:
+    """``seq.output_logprobs`` with ``decoded_token`` filled in (``with_decoded_tokens``), a
+    new list; each entry is decoded once and kept on the sequence (``seq._decoded``), so
+    reporting a whole output every step stays O(length), not O(length x k) decodes."""
+    raw = seq.output_logprobs
+    if raw is None or tokenizer is None:
+        return None if raw is None else list(raw)
+    done = seq._decoded
+    # (raw entry, decoded entry) pairs; anything that rewrote the list (not a plain append)
+    # starts the cache over.
+    if len(done) > len(raw) or (done and raw[len(done) - 1] is not done[-1][0]):
+        done.clear()
+    if len(done) < len(raw):
+        fresh = raw[len(done):]
+        done.extend(zip(fresh, with_decoded_tokens(fresh, tokenizer), strict=True))
+    return [d for _, d in done]
+
+
 def request_output(group, text=None, tokenizer=None):
     """The output of one request as it stands: a ``RequestOutput`` (sampling; unfinished
     completions as they are) or a ``beam.BeamSearchOutput``. ``text``: the engine's
@@ -122,7 +140,7 @@ def request_output(group, text=None, tokenizer=None):
                 cumulative_logprob=s.cumulative_logprob,
                 finish_reason=reason or (s.finish_reason.value if s.finish_reason else None),
                 text="" if text is None else text.text(s, final=s.finish_reason is not None),
-                logprobs=with_decoded_tokens(s.output_logprobs, tokenizer),
+                logprobs=decoded_logprobs(s, tokenizer),
                 stop_reason=s.stop_reason,
             )
             for s in group.seqs

@@ -100,6 +100,9 @@ class Sequence:
     _counts: dict[int, int] = dataclasses.field(default_factory=dict, init=False, repr=False)
     _counted: int = dataclasses.field(default=0, init=False, repr=False)
     _prompt_ids: Any = dataclasses.field(default=None, init=False, repr=False)  # int32[U] distinct prompt ids
+    # ``output_logprobs`` with their tokens' text filled in, caught up incrementally
+    # (``outputs.decoded_logprobs``): a whole output per step must not decode them all again.
+    _decoded: list = dataclasses.field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self):
         if self.output_logprobs is None and getattr(self.params, "logprobs", None) is not None:

@@ -307,9 +307,10 @@ class AsyncEngine(EngineClient):
 
 
 class RequestStream:
-    """One submitted request: ``async for out in stream`` yields its ``RequestOutput``s
-    (as its ``output_kind`` asks, module docstring; the last has ``finished``), raising ``EngineError`` if the engine
-    failed (``ValueError`` if the engine refused it). Leaving the loop early, being cancelled in it, or ``abort()`` aborts it."""
+    """One submitted request: ``async for out in stream`` yields its ``RequestOutput``s (as
+    its ``output_kind`` asks, module docstring; the last has ``finished``), raising
+    ``EngineError`` if the engine failed (``ValueError`` if the engine refused it). Leaving
+    the loop early, being cancelled in it, or ``abort()`` aborts it."""
 
     def __init__(self, engine: EngineClient, request_id: str, stream: _Stream):
         self.engine, self.request_id, self._stream = engine, request_id, stream

@@ -23,6 +23,7 @@ Mechanisms and everything else:
   quantized     quantised KV pages (M10): capacity per byte budget, accuracy, tokens/s
   speculative   speculative decoding (n-gram, draft model): tokens/s and steps saved vs k, batch
   serving       the OpenAI server under gamma arrivals: TTFT/TPOT/ITL/E2E, latency vs rate, vs vLLM
+  serving_timeline  one request's path through the server, phase by phase (timestamps in every process)
   scaling       tensor/data parallelism on simulated devices: KV per device, max batch, collectives
   kernel_bench  Pallas paged attention on a GPU (interpret-mode smoke with --quick on CPU)
   kernel_resources  registers/spills/shared memory of every Triton kernel on sm_80/sm_90a, compiled offline
@@ -57,6 +58,7 @@ GPU_STUDIES = ["kernel_bench", "gpu", "kernel_resources"]  # the last needs trit
 TOOLS = ["sweep", "report", "demo", "all"]
 STUDIES = CPU_STUDIES + GPU_STUDIES
 PEER_STUDIES = ["peers", "step_profile"]  # run alone: they need side venvs or minutes of a real model
+DIAGNOSTICS = ["serving_timeline"]  # run alone: not a claim, not in `all` nor the report
 
 
 def _run(name: str, argv: list[str]):
@@ -90,10 +92,10 @@ def main(argv: list[str] | None = None) -> None:
     name, rest = argv[0], argv[1:]
     if name == "all":
         _run_all(rest)
-    elif name in STUDIES or name in PEER_STUDIES or name in ("sweep", "report", "demo"):
+    elif name in STUDIES or name in PEER_STUDIES or name in DIAGNOSTICS or name in ("sweep", "report", "demo"):
         _run(name, rest)
     else:
-        sys.exit(f"unknown study {name!r}; choose one of {STUDIES + PEER_STUDIES + TOOLS}")
+        sys.exit(f"unknown study {name!r}; choose one of {STUDIES + PEER_STUDIES + DIAGNOSTICS + TOOLS}")
 
 
 if __name__ == "__main__":

@@ -117,6 +117,33 @@ def test_greedy_penalties_and_min_tokens_match_a_numpy_loop():
     assert_drained(llm)
 
 
+def test_logit_bias_matches_a_numpy_loop_and_is_checked_against_the_vocabulary():
+    """The bias is added before the penalties (vLLM v1's order); +100 all but forces a token,
+    -100 bans one; reported logprobs stay raw; ids past the vocabulary are refused up front."""
+    prompts = _prompts(3, seed=5, lo=3, hi=10)
+    params = [SamplingParams(temperature=0, max_tokens=8, logit_bias={3: 100.0}, logprobs=0),
+              SamplingParams(temperature=0, max_tokens=8, logit_bias={1: 2.5, 9: -1.0, 20: 4.0},
+                             repetition_penalty=1.3, presence_penalty=0.5),
+              SamplingParams(temperature=0, max_tokens=8, logit_bias={t: -100.0 for t in range(0, VOCAB, 2)})]
+    llm = _llm()
+    groups = _run(llm, prompts, params)
+    for g, prompt, p in zip(groups, prompts, params, strict=True):
+        out = []
+        bias = np.zeros(VOCAB)
+        for t, b in p.logit_bias.items():
+            bias[t] = b
+        while len(out) < p.max_tokens:
+            out.append(int(np.argmax(_penalised(_fake_logits(llm, prompt + out) + bias, prompt, out, p, EOS))))
+        assert g.seqs[0].output_token_ids == out, p
+    assert groups[0].seqs[0].output_token_ids == [3] * 8
+    raw = [_log_softmax(_fake_logits(llm, prompts[0] + [3] * i))[3] for i in range(8)]
+    assert [lp[3].logprob for lp in groups[0].seqs[0].output_logprobs] == pytest.approx(raw, abs=1e-4)
+    assert all(t % 2 == 1 for t in groups[2].seqs[0].output_token_ids)
+    with pytest.raises(ValueError, match=rf"logit_bias: token ids outside the vocabulary \[0, {VOCAB}\)"):
+        llm.generate([prompts[0]], SamplingParams(max_tokens=2, logit_bias={VOCAB: 1.0}), use_tqdm=False)
+    assert_drained(llm)
+
+
 SAMPLED = [
     SamplingParams(temperature=0.9, max_tokens=12, seed=3, repetition_penalty=1.3, presence_penalty=0.4,
                    frequency_penalty=0.4, min_p=0.05, logprobs=2),

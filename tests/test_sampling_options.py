@@ -1,5 +1,5 @@
 """vLLM's sampling options in the jitted sampler, against NumPy references on random
-logits (fp32): penalties, min-tokens bans, min-p with temperature/top-k/top-p, raw
+logits (fp32): logit biases, penalties, min-tokens bans, min-p with temperature/top-k/top-p, raw
 logprobs and ranks, and one program for greedy, sampled and penalised batches."""
 
 import dataclasses
@@ -35,7 +35,9 @@ def _case(seed=0):
         prompt = rng.integers(0, V, rng.integers(1, 6)).tolist()
         output = rng.integers(0, V, rng.integers(0, 6)).tolist()
         banned = rng.choice(V, rng.integers(0, 3), replace=False).tolist()
-        rows.append(dict(prompt=prompt, output=output, banned=banned,
+        biased = rng.choice(V, rng.integers(0, 4), replace=False).tolist()
+        bias = {int(t): float(rng.choice([-100.0, -2.5, 1.5, 6.0])) for t in biased}
+        rows.append(dict(prompt=prompt, output=output, banned=banned, bias=bias,
                          presence=float(rng.choice([0.0, 0.5, -1.5])), frequency=float(rng.choice([0.0, 1.0, -0.3])),
                          repetition=float(rng.choice([1.0, 1.3, 0.7]))))
     return logits, rows
@@ -47,22 +49,26 @@ def _history(rows, width=K) -> History:
     for i, r in enumerate(rows):
         counts = {t: r["output"].count(t) for t in set(r["output"])}
         seen = set(r["prompt"]) | set(r["output"]) if r["repetition"] != 1 else set()
-        ids = sorted(seen | set(counts) | set(r["banned"]))
+        bias = r.get("bias", {})
+        ids = sorted(seen | set(counts) | set(r["banned"]) | set(bias))
         for j, t in enumerate(ids):
             h.ids[i, j] = t
             h.counts[i, j] = counts.get(t, 0)
             h.flags[i, j] = (SEEN if t in seen else 0) | (BANNED if t in r["banned"] else 0)
+            h.bias[i, j] = bias.get(t, 0.0)
     return h._replace(presence=np.array([r["presence"] for r in rows], np.float32),
                       frequency=np.array([r["frequency"] for r in rows], np.float32),
                       repetition=np.array([r["repetition"] for r in rows], np.float32))
 
 
 def _processed_reference(logits, rows):
-    """vLLM's formulas: repetition on prompt|output tokens, then frequency and presence on
-    output counts, banned ids -inf."""
+    """vLLM v1's formulas: the logit bias added, then repetition on prompt|output tokens,
+    frequency and presence on output counts; banned ids -inf."""
     out = logits.astype(np.float32).copy()
     for i, r in enumerate(rows):
         x = out[i]
+        for t, b in r.get("bias", {}).items():
+            x[t] += np.float32(b)
         counts = np.bincount(np.asarray(r["output"], np.int64), minlength=V).astype(np.float32)
         seen = np.zeros(V, bool)
         seen[r["prompt"]] = True
@@ -110,6 +116,23 @@ def test_new_params_are_validated_like_vllm():
         with pytest.raises(ValueError, match=words):
             SamplingParams(**kwargs)
     assert Logprob(-0.5, 1) == Logprob(logprob=-0.5, rank=1, decoded_token=None)
+
+
+def test_logit_bias_is_a_read_only_hashable_mapping():
+    import pickle
+
+    p = SamplingParams(logit_bias={5: 2, np.int64(7): -100.0})
+    assert dict(p.logit_bias) == {5: 2.0, 7: -100.0} and p.logit_bias[7] == -100.0
+    assert p.logit_bias == {5: 2.0, 7: -100.0} and hash(p) == hash(SamplingParams(logit_bias={7: -100, 5: 2.0}))
+    assert pickle.loads(pickle.dumps(p)) == p
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    with pytest.raises(TypeError):
+        p.logit_bias[5] = 1.0  # noqa: the mapping is read-only
+    for bias in ({-1: 1.0}, {"5": 1.0}, {5: float("inf")}, {5: "x"}, [(5, 1.0)], {True: 1.0}):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bias)
+    with pytest.raises(ValueError, match="MAX_LOGIT_BIAS=1024"):
+        SamplingParams(logit_bias={t: 1.0 for t in range(1025)})
 
 
 def test_penalties_and_bans_match_numpy():

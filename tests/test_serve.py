@@ -146,6 +146,85 @@ def test_n_seed_and_logprobs(served):
                                      for t in content)
 
 
+def test_echo_with_logprobs_scores_the_prompt(served):
+    """What evaluation harnesses send to score a text (lm-eval's loglikelihood): echo with
+    logprobs and max_tokens 0 or 1; the prompt's tokens come back with their log-probabilities
+    (the first has none), equal to ``SamplingParams.prompt_logprobs`` offline; streamed, the
+    first event carries them."""
+    llm, server, _ = served
+    if isinstance(server.engine, AsyncEngine):  # the server's engine thread steps this llm: use another
+        llm = LLM(TEXT, **KW)
+    c = _client(server)
+    prompt = PROMPTS[3]
+    ref = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=2, prompt_logprobs=2,
+                                                ignore_eos=True), use_tqdm=False)[0]
+    ids, tok = ref.prompt_token_ids, llm.get_tokenizer()
+    ref_lp = [None] + [ref.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i > 0]
+    texts = [tok.decode([t], skip_special_tokens=False) for t in ids]
+
+    only = c.completions.create(model=NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    ch = only.choices[0]
+    assert ch.text == prompt and ch.finish_reason == "length"
+    assert ch.logprobs.tokens == texts and ch.logprobs.top_logprobs[0] is None
+    assert ch.logprobs.token_logprobs[0] is None
+    assert ch.logprobs.token_logprobs[1:] == pytest.approx(ref_lp[1:], abs=1e-4)
+    assert ch.logprobs.text_offset == [sum(len(x) for x in texts[:i]) for i in range(len(texts))]
+    assert all(len(top) <= 2 for top in ch.logprobs.top_logprobs[1:])
+    assert only.usage.prompt_tokens == len(ids)
+
+    one = c.completions.create(model=NAME, prompt=prompt, max_tokens=1, echo=True, logprobs=2, temperature=0,
+                               extra_body=EXTRA)
+    ch1 = one.choices[0]
+    assert ch1.text == prompt + ref.outputs[0].text and ch1.text.startswith(prompt)
+    assert ch1.logprobs.tokens[:-1] == texts and len(ch1.logprobs.token_logprobs) == len(ids) + 1
+    assert ch1.logprobs.token_logprobs[-1] == pytest.approx(ref.outputs[0].logprobs[0][ref.outputs[0].token_ids[0]].logprob,
+                                                            abs=1e-4)
+
+    tokens, lps, text, events = [], [], "", 0
+    for chunk in c.completions.create(model=NAME, prompt=prompt, max_tokens=3, echo=True, logprobs=2,
+                                      temperature=0, stream=True, extra_body=EXTRA):
+        for choice in chunk.choices:
+            text += choice.text
+            if choice.logprobs is not None:
+                events += 1
+                if events == 1:
+                    assert choice.logprobs.tokens[:len(ids)] == texts  # the prompt, in the first event
+                tokens += choice.logprobs.tokens
+                lps += choice.logprobs.token_logprobs
+    assert text.startswith(prompt) and len(tokens) == len(ids) + 3 and lps[0] is None
+    assert lps[1:len(ids)] == pytest.approx(ref_lp[1:], abs=1e-4)
+
+    two = c.completions.create(model=NAME, prompt=[PROMPTS[1], PROMPTS[2]], max_tokens=0, echo=True, temperature=0)
+    assert [x.text for x in sorted(two.choices, key=lambda x: x.index)] == [PROMPTS[1], PROMPTS[2]]
+    assert all(x.logprobs is None for x in two.choices)
+
+
+def test_logit_bias(served):
+    """OpenAI's ``logit_bias`` (token id strings to [-100, 100], clamped as vLLM does) gives
+    what ``SamplingParams.logit_bias`` gives offline, in completions and chat."""
+    llm, server, _ = served
+    if isinstance(server.engine, AsyncEngine):  # the server's engine thread steps this llm: use another
+        llm = LLM(TEXT, **KW)
+    c = _client(server)
+    ids = llm.get_tokenizer().encode(" lighthouse", add_special_tokens=False)
+    forced = {str(ids[0]): 250}  # clamped to 100
+    greedy = llm.generate([PROMPTS[4]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    banned = {str(t): -100 for t in set(greedy)}
+    for bias in (forced, banned):
+        want = llm.generate([PROMPTS[4]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                         logit_bias={int(t): max(-100, min(100, b))
+                                                                     for t, b in bias.items()}),
+                            use_tqdm=False)[0].outputs[0]
+        got = c.completions.create(model=NAME, prompt=PROMPTS[4], max_tokens=6, temperature=0, logit_bias=bias,
+                                   extra_body=EXTRA)
+        assert got.choices[0].text == want.text
+    assert set(want.token_ids).isdisjoint(greedy)  # the ban changed every token
+    chat = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                     temperature=0, logit_bias=forced, logprobs=True, extra_body=EXTRA)
+    assert [t.token for t in chat.choices[0].logprobs.content] == [llm.get_tokenizer().decode([ids[0]])] * 3
+
+
 def test_stop_strings(served):
     _, server, want = served
     c = _client(server)
@@ -237,7 +316,9 @@ def test_bad_inputs_get_their_4xx(served):
     assert "[0, 20]" in _error(post("/v1/completions", {**ok, "logprobs": 50}), 400, "logprobs")
     _error(post("/v1/completions", {**ok, "presence_penalty": 5}), 400, "presence_penalty")
     _error(post("/v1/completions", {**ok, "prompt": [1, 2, 100000]}), 400, "prompt")
-    _error(post("/v1/completions", {**ok, "logit_bias": {"1": 5}}), 400, "logit_bias")
+    assert "token ids" in _error(post("/v1/completions", {**ok, "logit_bias": {"one": 5}}), 400, "logit_bias")
+    assert "vocabulary" in _error(post("/v1/completions", {**ok, "logit_bias": {"10000000": 5}}), 400, "logit_bias")
+    assert ">= 1" in _error(post("/v1/completions", {**ok, "max_tokens": 0}), 400, "max_tokens")  # 0: with echo only
     chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}]}
     _error(post("/v1/chat/completions", {**chat, "messages": []}), 400, "messages")
     _error(post("/v1/chat/completions", {**chat, "top_logprobs": 2}), 400, "top_logprobs")

@@ -36,7 +36,7 @@ class Work(NamedTuple):
 
     ``slot``: its table row; ``tokens``: what it feeds; ``step``: the index of the output
     token being sampled (a pure function of the completion, so pressure never changes a
-    sample); ``history``: ``(ids, counts, flags)`` int arrays of one length, or None;
+    sample); ``history``: ``(ids, counts, flags, bias)`` arrays of one length, or None;
     ``num_logprobs`` >= 0 asks for the sampled token's rank (-1: none); ``top`` > 0 also
     the ``top`` most likely next tokens (of ``log_softmax(logits / top_temperature)``);
     ``spec`` > 0: a speculative round of ``spec`` proposals; ``prompt_targets``: aligned
@@ -112,7 +112,7 @@ class InputBatch:
         for i, w in enumerate(items):
             if w.history is not None:
                 n = len(w.history[0])
-                history.ids[i, :n], history.counts[i, :n], history.flags[i, :n] = w.history
+                history.ids[i, :n], history.counts[i, :n], history.flags[i, :n], history.bias[i, :n] = w.history
         history = history._replace(presence=rows(self.presence, 0.0), frequency=rows(self.frequency, 0.0),
                                    repetition=rows(self.repetition, 1.0))
         steps = np.zeros(size, np.int32)
@@ -157,24 +157,33 @@ def banned(seq, eos_token_ids) -> tuple[int, ...]:
 
 def history(seq, eos_token_ids) -> tuple | None:
     """``seq``'s ``sampling.History`` entries for its next output token as ``(ids, counts,
-    flags)``, or None when it uses neither penalties nor an active min_tokens."""
+    flags, bias)``, or None when it uses no penalty, no logit bias and no active min_tokens."""
     p = seq.params
     ban = banned(seq, eos_token_ids) if len(seq.output_token_ids) < p.min_tokens else ()
     repetition = p.repetition_penalty != 1
-    if not (ban or p.uses_penalties):
+    bias = p.logit_bias
+    if not (ban or p.uses_penalties or bias):
         return None
     counts = seq.output_counts() if p.uses_penalties else {}
     out_ids = np.fromiter(counts.keys(), np.int32, len(counts))
     ids = np.union1d(seq.prompt_ids(), out_ids) if repetition else np.sort(out_ids)
     if ban:
         ids = np.union1d(ids, np.asarray(ban, np.int32))
+    if bias:
+        bias_ids = np.fromiter(bias.keys(), np.int32, len(bias))
+        ids = np.union1d(ids, bias_ids)
     ids = ids.astype(np.int32)
     num = np.zeros(len(ids), np.int32)
     num[np.searchsorted(ids, out_ids)] = np.fromiter(counts.values(), np.int32, len(counts))
-    flags = np.full(len(ids), SEEN if repetition else 0, np.int32)
+    flags = np.full(len(ids), 0, np.int32)
+    if repetition:  # only the prompt's and the output's tokens, not the ones listed for a ban or a bias
+        flags[np.isin(ids, np.union1d(seq.prompt_ids(), out_ids))] = SEEN
     if ban:
         flags[np.searchsorted(ids, np.asarray(ban, np.int32))] |= BANNED
-    return ids, num, flags
+    add = np.zeros(len(ids), np.float32)
+    if bias:
+        add[np.searchsorted(ids, bias_ids)] = np.fromiter(bias.values(), np.float32, len(bias))
+    return ids, num, flags, add
 
 
 def prompt_targets(seq, n: int) -> tuple[int, ...] | None:

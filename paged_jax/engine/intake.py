@@ -77,6 +77,10 @@ def validate(config: EngineConfig, i: int, prompt: list[int], p) -> str | None:
             f"prompt {i} has {len(prompt)} tokens; it must be shorter than max_model_len={model.max_model_len} "
             f"(room for at least one output token; the KV pool holds {cache.num_blocks} blocks of "
             f"{cache.block_size} tokens)")
+    bias = getattr(p, "logit_bias", None)
+    if bias and (outside := [t for t in bias if t >= model.vocab_size]):
+        raise ValueError(f"request {i}: logit_bias: token ids outside the vocabulary [0, {model.vocab_size}): "
+                         f"{sorted(outside)[:5]}")
     members, field = (p.beam_width, "beam_width") if isinstance(p, BeamSearchParams) else (p.n, "n")
     if members > sched.max_num_seqs:
         raise ValueError(f"request {i}: {field}={members} exceeds max_num_seqs={sched.max_num_seqs}")

@@ -10,8 +10,8 @@ recompute and different batch mixes.
 The order is vLLM v1's (``vllm/v1/sample/sampler.py``), per row:
 
 1. min-tokens: while a completion has fewer than ``min_tokens`` outputs, its stop token
-   ids and EOS get logit -inf;
-2. penalties on the raw logits: repetition (a token seen in the prompt or the output:
+   ids and EOS get logit -inf; ``logit_bias`` is added to its tokens' logits;
+2. penalties on those logits: repetition (a token seen in the prompt or the output:
    a positive logit divided by it, a negative one multiplied), then frequency
    (``- f * count``) and presence (``- p * (count > 0)``), counts over the output only;
 3. greedy rows (temperature 0) take the argmax here;
@@ -19,7 +19,7 @@ The order is vLLM v1's (``vllm/v1/sample/sampler.py``), per row:
    most likely one's), then top-k, then top-p (on the distribution left after min-p and
    top-k), then the inverse-CDF draw.
 
-Steps 1-2 read a per-row sparse ``History`` (token ids, output counts, flags) built on
+Steps 1-2 read a per-row sparse ``History`` (token ids, output counts, flags, biases) built on
 the host (see ``History``). One compiled program serves every mix of rows: the greedy
 choice and whether any row needs steps 1-2 are run-time conditions (``jax.lax.cond``),
 so a batch that needs neither skips the sort and the scatter without a program of its own.
@@ -34,7 +34,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import math
 import numbers
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import jax
@@ -80,6 +82,40 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2
 
 
+MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias (its History width grows with them)
+
+
+class LogitBias(Mapping):
+    """``SamplingParams.logit_bias``: a read-only ``{token id: bias}`` (ints to floats), so
+    the params stay hashable; reads as the dict it was given (``bias[5]``, ``dict(bias)``)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items):
+        self._items = dict(items)
+
+    def __getitem__(self, token: int) -> float:
+        return self._items[token]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._items.items())))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Mapping) and dict(self._items) == dict(other)
+
+    def __repr__(self) -> str:
+        return repr(self._items)
+
+    def __reduce__(self):
+        return (LogitBias, (self._items,))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """How to sample one request (vLLM's names; frozen, hashable, validated).
@@ -98,6 +134,10 @@ class SamplingParams:
         raw logit divided by it when positive, multiplied by it when negative.
       min_tokens: 0 <= min_tokens <= max_tokens: until the output holds that many
         tokens, EOS (unless ``ignore_eos``) and ``stop_token_ids`` cannot be sampled.
+      logit_bias: None, or ``{token id: bias}`` (finite floats; at most
+        ``MAX_LOGIT_BIAS`` entries): added to those tokens' logits before the penalties, as
+        vLLM v1 does (OpenAI's ``logit_bias``: -100 bans a token, 100 all but forces it).
+        Reported logprobs stay the model's raw ones. Kept as a read-only ``LogitBias``.
       logprobs: None, or k >= 0: per output token, the raw log-probability and rank of
         the sampled token and of the k most likely (``Sequence.output_logprobs``).
       prompt_logprobs: None, or k >= 0: per prompt position, the same for the prompt
@@ -133,6 +173,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    logit_bias: Mapping[int, float] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     seed: int | None = None
@@ -172,6 +213,15 @@ class SamplingParams:
             raise ValueError(f"min_tokens={self.min_tokens!r}: must be an int >= 0")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            if not isinstance(bias, Mapping) or not all(is_int(t) and t >= 0 and is_real(b) and math.isfinite(b)
+                                                        for t, b in bias.items()):
+                raise ValueError(f"logit_bias={bias!r}: must map token ids (ints >= 0) to finite floats")
+            if len(bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias: {len(bias)} entries, at most MAX_LOGIT_BIAS={MAX_LOGIT_BIAS}")
+            object.__setattr__(self, "logit_bias", LogitBias({int(t): float(b) for t, b in bias.items()})
+                               if bias else None)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 0):
@@ -273,25 +323,28 @@ class History(NamedTuple):
       counts: int32[B, K]: occurrences of the token in the output (frequency/presence).
       flags: int32[B, K]: ``SEEN`` (in the prompt or the output: repetition penalty
         applies) | ``BANNED`` (logit -inf: min_tokens not reached).
+      bias: f32[B, K]: added to the token's logit first (``logit_bias``; 0 = none).
       presence, frequency, repetition: f32[B]: the row's penalties (0, 0, 1 = none).
     """
 
     ids: jax.Array
     counts: jax.Array
     flags: jax.Array
+    bias: jax.Array
     presence: jax.Array
     frequency: jax.Array
     repetition: jax.Array
 
 
 def apply_history(logits: jax.Array, history: History) -> jax.Array:
-    """f32[B, V]: ``logits`` f32[B, V] after min-tokens masking and the penalties (vLLM's
-    order and formulas: repetition, then frequency, then presence; -inf for banned)."""
+    """f32[B, V]: ``logits`` f32[B, V] after the logit biases, the penalties and min-tokens
+    masking (vLLM v1's order and formulas: the bias, then repetition, frequency, presence;
+    -inf for banned)."""
     logits = jnp.asarray(logits, jnp.float32)
     b, vocab = logits.shape
     # Padding (and any id past the vocabulary) points out of range: the scatter drops it.
     ids = jnp.where((history.ids >= 0) & (history.ids < vocab), history.ids, vocab)
-    vals = jnp.take_along_axis(logits, jnp.minimum(ids, vocab - 1), axis=1)
+    vals = jnp.take_along_axis(logits, jnp.minimum(ids, vocab - 1), axis=1) + history.bias
     rep = history.repetition[:, None]
     seen = (history.flags & SEEN) != 0
     vals = jnp.where(seen, jnp.where(vals > 0, vals / rep, vals * rep), vals)
@@ -304,8 +357,8 @@ def apply_history(logits: jax.Array, history: History) -> jax.Array:
 def empty_history(batch: int, width: int = 1) -> History:
     """A ``History`` that changes nothing (every entry padding)."""
     return History(np.full((batch, width), -1, np.int32), np.zeros((batch, width), np.int32),
-                   np.zeros((batch, width), np.int32), np.zeros(batch, np.float32), np.zeros(batch, np.float32),
-                   np.ones(batch, np.float32))
+                   np.zeros((batch, width), np.int32), np.zeros((batch, width), np.float32),
+                   np.zeros(batch, np.float32), np.zeros(batch, np.float32), np.ones(batch, np.float32))
 
 
 def _truncated(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,

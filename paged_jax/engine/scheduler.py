@@ -35,7 +35,7 @@ One step (``schedule``), under a token budget of ``max_num_batched_tokens``:
    ``max_tokens`` and the budget. Their blocks are counted like any append; when they
    do not fit, the step is planned again without proposals before anyone is preempted,
    so speculation never costs a preemption. The verification rolls back what it rejects.
-   Rows whose sampling verification does not reproduce (penalties, min-p, min_tokens
+   Rows whose sampling verification does not reproduce (penalties, logit bias, min-p, min_tokens
    not yet reached, logprobs, missing prompt logprobs: ``_speculates``) get no proposals.
 6. Prefix caching: "free" means the pool plus the cached-free blocks
    (``HostBlockManager.num_available``); when the step's allocations exceed the pool, that many
@@ -263,10 +263,10 @@ class Scheduler:
     @staticmethod
     def _speculates(seq: Sequence) -> bool:
         """Whether the row may speculate: verification applies only temperature, top-k and
-        top-p, so rows with penalties, min-p, an active min_tokens, logprobs or missing
-        prompt logprobs decode one token at a time."""
+        top-p, so rows with penalties, a logit bias, min-p, an active min_tokens, logprobs or
+        missing prompt logprobs decode one token at a time."""
         p = seq.params
-        return not (p.uses_penalties or p.min_p > 0 or len(seq.output_token_ids) < p.min_tokens
+        return not (p.uses_penalties or p.logit_bias or p.min_p > 0 or len(seq.output_token_ids) < p.min_tokens
                     or p.logprobs is not None or seq.group.needs_prompt_logprobs)
 
     def _propose(self, seq: Sequence, budget: int) -> list:

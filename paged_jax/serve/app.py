@@ -202,10 +202,17 @@ def build_app(llm=None, *, model_name: str | None = None, api_key: str | None = 
             need_tokenizer("logprobs")
         prompts = completion_prompts(req.prompt)
         max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+        # echo with max_tokens 0: the prompt alone (with its logprobs), as vLLM: one token is
+        # generated and dropped (it still counts as generated in the usage, as vLLM counts it).
+        prompt_only = req.echo and max_tokens == 0
+        if prompt_only:
+            max_tokens = 1
+        prompt_k = k if req.echo else None  # echo with logprobs: the prompt's tokens are reported too
         plan = []
         for ids, text in prompts:
             check_length(ids, max_tokens, "prompt")
-            plan.append((ids, text, P.sampling_params(req, defaults, max_tokens=max_tokens, logprobs=k)))
+            plan.append((ids, text, P.sampling_params(req, defaults, max_tokens=max_tokens, logprobs=k,
+                                                      prompt_logprobs=prompt_k)))
         streams = []
         try:
             for ids, _, params in plan:
@@ -222,15 +229,32 @@ def build_app(llm=None, *, model_name: str | None = None, api_key: str | None = 
             ids, text = plan[i][0], plan[i][1]
             return text if text is not None else (tokenizer.decode(ids) if tokenizer else "")
 
+        prompt_entries: dict[int, list] = {}  # stream -> its prompt's logprob entries (first output only)
+
+        def shown(i, out, c, first: bool):
+            """(text, token ids, logprob entries or None) of completion ``c`` of stream ``i``
+            as the response shows it: the echoed prompt in front of its first output, the
+            generated token dropped for ``prompt_only``."""
+            if out.prompt_logprobs is not None:
+                prompt_entries.setdefault(i, out.prompt_logprobs)
+            text, ids, entries = ("", [], []) if prompt_only else (c.text, list(c.token_ids), c.logprobs)
+            if first and req.echo:
+                text = echo_text(i) + text
+                if k is not None:
+                    ids = list(plan[i][0]) + ids
+                    entries = list(prompt_entries.get(i) or [None] * len(plan[i][0])) + list(entries or [])
+            return text, ids, entries
+
         if not req.stream:
             finals = await wait_all(request, streams)
             choices, completion_tokens = [], 0
             for i, out in enumerate(finals):
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
-                    lp = (P.completion_logprobs(c.token_ids, c.logprobs, tokenizer, k)
-                          if k is not None and c.logprobs is not None else None)
-                    choices.append({"index": i * n + c.index, "text": echo_text(i) + c.text, "logprobs": lp,
+                    text, ids, entries = shown(i, out, c, True)
+                    lp = (P.completion_logprobs(ids, entries, tokenizer, k)
+                          if k is not None and entries is not None else None)
+                    choices.append({"index": i * n + c.index, "text": text, "logprobs": lp,
                                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
             prompt_tokens = sum(len(p[0]) for p in plan)
             return {"id": rid, "object": "text_completion", "created": created, "model": name,
@@ -257,13 +281,13 @@ def build_app(llm=None, *, model_name: str | None = None, api_key: str | None = 
                     state = sent[idx] = [0, 0, 0]
                 elif state[1]:
                     continue
-                delta = echo_text(i) + c.text if first else c.text
+                delta, ids, entries = shown(i, out, c, first)
                 done = c.finish_reason is not None
-                if not (delta or done or c.token_ids):
+                if not (delta or done or ids):
                     continue
                 lp = None
-                if k is not None and c.logprobs is not None:
-                    lp = P.completion_logprobs(c.token_ids, c.logprobs, tokenizer, k, offset=state[2])
+                if k is not None and entries is not None:
+                    lp = P.completion_logprobs(ids, entries, tokenizer, k, offset=state[2])
                     if lp["tokens"]:
                         state[2] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                 choices.append(P.completion_choice(idx, delta, lp, c.finish_reason, c.stop_reason))

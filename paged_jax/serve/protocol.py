@@ -4,8 +4,11 @@ error shape, and the JSON of completions, chat completions and their stream chun
 Fields follow OpenAI's API plus vLLM's extras (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``include_stop_str_in_output``, ``skip_special_tokens``). Unknown fields are ignored, as
-vLLM ignores them; fields we cannot honour (``logit_bias``, ``suffix``, ``best_of`` > n,
-tools, a non-text ``response_format``, ``echo`` with ``logprobs``) are a 400 naming them.
+vLLM ignores them; fields we cannot honour (``suffix``, ``best_of`` > n,
+tools, a non-text ``response_format``) are a 400 naming them. ``echo`` with ``logprobs``
+reports the prompt's tokens too, with their log-probabilities (the first has none: null),
+and ``echo`` with ``max_tokens: 0`` returns the prompt alone, as vLLM does (what evaluation
+harnesses send to score a text).
 Log-probabilities that are -inf are reported as -9999.0 (JSON has no infinity; vLLM's choice).
 """
 
@@ -114,15 +117,11 @@ class DetokenizeRequest(BaseModel):
 
 def unsupported(req: _Sampling) -> None:
     """400 for fields we cannot honour (module docstring)."""
-    if req.logit_bias:
-        raise ApiError(400, "logit_bias is not supported", "logit_bias")
     if isinstance(req, CompletionRequest):
         if req.suffix:
             raise ApiError(400, "suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise ApiError(400, f"best_of={req.best_of}: only best_of == n ({req.n}) is supported", "best_of")
-        if req.echo and req.logprobs is not None:
-            raise ApiError(400, "echo with logprobs (prompt logprobs) is not supported", "echo")
     if isinstance(req, ChatRequest):
         if req.tools:
             raise ApiError(400, "tools are not supported", "tools")
@@ -148,7 +147,7 @@ def num_logprobs(req: _Sampling) -> int | None:
 
 
 def sampling_params(req: _Sampling, defaults: SamplingParams, *, max_tokens: int,
-                    logprobs: int | None) -> SamplingParams:
+                    logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     """The request's ``SamplingParams``: its fields over the checkpoint's defaults (vLLM's
     rule). A field ``SamplingParams`` refuses is a 400 naming it and the limit."""
     if req.n < 1:
@@ -156,13 +155,21 @@ def sampling_params(req: _Sampling, defaults: SamplingParams, *, max_tokens: int
     kw = {name: getattr(req, name) if getattr(req, name) is not None else getattr(defaults, name)
           for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    bias = None
+    if req.logit_bias:  # OpenAI's: token id strings to biases; clamped to [-100, 100] as vLLM does
+        try:
+            bias = {int(t): min(100.0, max(-100.0, float(b))) for t, b in req.logit_bias.items()}
+        except ValueError:
+            raise ApiError(400, f"logit_bias: keys must be token ids (integer strings), got "
+                                f"{list(req.logit_bias)[:5]}", "logit_bias") from None
     try:
         return SamplingParams(
             **kw, max_tokens=max_tokens, n=req.n, seed=req.seed, stop=tuple(stop),
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
             stop_token_ids=tuple(req.stop_token_ids or ()), include_stop_str_in_output=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            logit_bias=bias,
         )
     except ValueError as e:
         raise ApiError(400, str(e), field_of(str(e))) from None
@@ -226,11 +233,22 @@ def _token_text(entry, tokenizer, token: int) -> str:
                                                                                      skip_special_tokens=False)
 
 
-def completion_logprobs(token_ids: list[int], entries: list[dict], tokenizer, k: int, offset: int = 0) -> dict:
+def completion_logprobs(token_ids: list[int], entries: list[dict | None], tokenizer, k: int,
+                        offset: int = 0) -> dict:
     """The completions API's ``logprobs`` object for these tokens and their engine entries
-    (``{id: Logprob}`` per token); ``offset``: the text offset of the first token."""
+    (``{id: Logprob}`` per token; None for a token without one, as the prompt's first:
+    its text with null log-probabilities, as vLLM reports it); ``offset``: the text offset
+    of the first token."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     for tok, entry in zip(token_ids, entries, strict=True):
+        if entry is None:
+            text = tokenizer.decode([tok], skip_special_tokens=False)
+            tokens.append(text)
+            token_logprobs.append(None)
+            top.append(None)
+            offsets.append(offset)
+            offset += len(text)
+            continue
         text = _token_text(entry[tok], tokenizer, tok)
         tokens.append(text)
         token_logprobs.append(_lp(entry[tok].logprob))

@@ -22,6 +22,11 @@ when it sent each and when each event arrived. Per request, medians over request
 - ``report_to_http``: a step's end until its report is read on the HTTP side;
 - ``last_step_to_client``: the last step's end until the client has the end of the response.
 
+Beside each served request the same request runs through an ``EngineCore`` in this process
+(no pipe, no HTTP; same options, same ``LLM.step``): ``alone_step`` and
+``alone_between_steps`` are what the engine's steps take when nothing else shares the machine
+(not with ``--pin``, where the server's engine computes on one CPU).
+
 Also the machine's thread wake-up latency (a pipe ping-pong between two processes after
 0, 1 and 20 ms idle): on a VM an idle vCPU's wake-up is what each hop between processes
 costs. ``--pin``: the engine process on CPU 0, the HTTP process and this client on CPU 1
@@ -103,7 +108,7 @@ SITECUSTOMIZE = textwrap.dedent('''
 ''')
 
 PHASES = ["client_to_server", "http_to_submit", "submit_to_engine", "add_to_first_step", "step", "between_steps",
-          "report_to_http", "last_step_to_client", "e2e"]
+          "report_to_http", "last_step_to_client", "e2e", "alone_step", "alone_between_steps"]
 
 
 def _ping_child(r, w):
@@ -135,9 +140,35 @@ def wake_latency(rounds: int = 200) -> dict:
     return out
 
 
-async def _requests(url: str, requests, repeats: int) -> list[tuple[float, list[float]]]:
-    """Each request alone, streamed: (sent at, [arrival of each data line])."""
-    out = []
+def alone(llm, text: str, max_tokens: int) -> list[tuple[float, float]]:
+    """(start, end) of each step of one request run alone through an ``EngineCore`` here,
+    fed as the server's core is (token ids, greedy, deltas)."""
+    from paged_jax import SamplingParams
+    from paged_jax.engine.sampling import RequestOutputKind
+    from paged_jax.serve.core import EngineCore
+
+    core, steps = EngineCore(llm), []
+    step = core.step
+
+    def timed():
+        t0 = time.perf_counter()
+        report = step()
+        steps.append((t0, time.perf_counter()))
+        return report
+
+    core.step = timed
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+    commands = [[("add", "alone", llm.get_tokenizer().encode(text), params)]]
+    core.run(lambda timeout: commands.pop(0) if commands else [] if core.has_work() else [("stop",)],
+             lambda report: None)
+    return steps
+
+
+async def _requests(url: str, requests, repeats: int, llm=None) -> tuple[list, list]:
+    """Each request alone, streamed: (sent at, [arrival of each data line]); with ``llm``,
+    each followed by the same request through ``alone`` (its steps)."""
+    out, solo = [], []
     async with S._session() as session:
         for _ in range(repeats):
             for text, m in requests:
@@ -150,13 +181,17 @@ async def _requests(url: str, requests, repeats: int) -> list[tuple[float, list[
                         if line.startswith(b"data:"):
                             arrivals.append(time.perf_counter())
                 out.append((t0, arrivals))
+                if llm is not None:
+                    solo.append(alone(llm, text, m))
                 await asyncio.sleep(0.02)
-    return out
+    return out, solo
 
 
-def phases(events: list[tuple[float, str]], requests: list[tuple[float, list[float]]]) -> dict:
+def phases(events: list[tuple[float, str]], requests: list[tuple[float, list[float]]],
+           solo: list[list[tuple[float, float]]] = ()) -> dict:
     """Per-request phase durations (s) from the merged, sorted server ``events`` and the
-    client's ``requests``; each phase's list (steps and gaps: one entry per step)."""
+    client's ``requests`` (and ``solo``: each alone run's step (start, end) pairs); each
+    phase's list (steps and gaps: one entry per step)."""
     times = np.array([t for t, _ in events])
     got: dict = {k: [] for k in PHASES}
     for t0, arrivals in requests:
@@ -183,11 +218,15 @@ def phases(events: list[tuple[float, str]], requests: list[tuple[float, list[flo
         got["report_to_http"] += [r - e for e in ends if (r := next((x for x in reports if x >= e), None))]
         got["last_step_to_client"].append(end - ends[-1])
         got["e2e"].append(end - t0)
+    for steps in solo:
+        got["alone_step"] += [b - a for a, b in steps]
+        got["alone_between_steps"] += [b[0] - a[1] for a, b in zip(steps, steps[1:], strict=False)]
     return got
 
 
 def run(model: str, num: int, repeats: int, pin: bool) -> dict:
     requests = S.workload(model, num, 8, 16)
+    llm = None if pin else S.engine_alone(model, S.engine_options(True), requests)
     with tempfile.TemporaryDirectory() as site, tempfile.TemporaryDirectory() as logs:
         with open(os.path.join(site, "sitecustomize.py"), "w") as f:
             f.write(SITECUSTOMIZE)
@@ -205,7 +244,7 @@ def run(model: str, num: int, repeats: int, pin: bool) -> dict:
                 subprocess.run(["taskset", "-a", "-p", "-c", "1", str(proc.pid)], check=True, capture_output=True)
                 os.sched_setaffinity(0, {1})
             asyncio.run(_requests(url, requests[:4], 1))  # warm
-            got = asyncio.run(_requests(url, requests, repeats))
+            got, solo = asyncio.run(_requests(url, requests, repeats, llm))
         finally:
             os.sched_setaffinity(0, mine)
             S._stop(proc)
@@ -217,7 +256,7 @@ def run(model: str, num: int, repeats: int, pin: bool) -> dict:
                     if e:
                         events.append((float(t), e))
     events.sort()
-    per = phases(events, got)
+    per = phases(events, got, solo)
     return {"requests": len(per["e2e"]), "sse_events_per_request_p50": float(np.median([len(a) for _, a in got])),
             "ms_p50": {k: 1e3 * float(np.median(v)) if v else None for k, v in per.items()},
             "ms_p90": {k: 1e3 * float(np.percentile(v, 90)) if v else None for k, v in per.items()}}
@@ -251,6 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
               "wake_latency": wake, **got,
               "headline": {"e2e_ms_p50": got["ms_p50"]["e2e"], "step_ms_p50": got["ms_p50"]["step"],
                            "between_steps_ms_p50": got["ms_p50"]["between_steps"],
+                           "alone_step_ms_p50": got["ms_p50"]["alone_step"],
                            "wake_round_trip_us_after_20ms_idle": wake["after_20ms_idle_round_trip_us_p50"]}}
     write_json(args.out, "serving_timeline", result)
     return result

@@ -102,6 +102,18 @@ def test_completions_stream_and_not_equal_generate(served):
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want[3]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far
+    prompt_tokens = len(llm.get_tokenizer().encode(PROMPTS[3]))
+    for create in (c.completions.create, c.chat.completions.create):
+        kw = dict(prompt=PROMPTS[3]) if create == c.completions.create else dict(
+            messages=[{"role": "user", "content": PROMPTS[3]}])
+        chunks = list(create(model=NAME, max_tokens=8, temperature=0, stream=True, extra_body=EXTRA,
+                             stream_options={"include_usage": True, "continuous_usage_stats": True}, **kw))
+        used = [ch.usage.completion_tokens for ch in chunks]
+        assert all(ch.usage is not None for ch in chunks) and used == sorted(used) and used[-1] == 8
+        assert chunks[-1].choices == []
+        if create == c.completions.create:
+            assert {ch.usage.prompt_tokens for ch in chunks} == {prompt_tokens}
 
 
 def test_chat_stream_and_not_equal_llm_chat(served):
@@ -193,6 +205,22 @@ def test_echo_with_logprobs_scores_the_prompt(served):
                 lps += choice.logprobs.token_logprobs
     assert text.startswith(prompt) and len(tokens) == len(ids) + 3 and lps[0] is None
     assert lps[1:len(ids)] == pytest.approx(ref_lp[1:], abs=1e-4)
+
+    # vLLM's prompt_logprobs extra: {token id: {logprob, rank, decoded_token}} per prompt token
+    extra = c.completions.create(model=NAME, prompt=prompt, max_tokens=1, temperature=0,
+                                 extra_body={"prompt_logprobs": 1, **EXTRA}).model_dump()["choices"][0]
+    plp = extra["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None and extra["text"] == ref.outputs[0].text
+    for i in range(1, len(ids)):
+        entry = plp[i]
+        assert str(ids[i]) in entry and len(entry) <= 2 and min(v["rank"] for v in entry.values()) == 1
+        assert entry[str(ids[i])]["logprob"] == pytest.approx(ref_lp[i], abs=1e-4)
+        assert entry[str(ids[i])]["decoded_token"] == texts[i]
+    chat = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=1,
+                                     temperature=0, extra_body={"prompt_logprobs": 0}).model_dump()
+    assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        c.completions.create(model=NAME, prompt=prompt, max_tokens=1, stream=True, extra_body={"prompt_logprobs": 1})
 
     two = c.completions.create(model=NAME, prompt=[PROMPTS[1], PROMPTS[2]], max_tokens=0, echo=True, temperature=0)
     assert [x.text for x in sorted(two.choices, key=lambda x: x.index)] == [PROMPTS[1], PROMPTS[2]]

@@ -198,7 +198,8 @@ def build_app(llm=None, *, model_name: str | None = None, api_key: str | None = 
         req = await parse(request, P.CompletionRequest)
         P.unsupported(req)
         k = P.num_logprobs(req)
-        if k is not None:
+        prompt_n = P.num_prompt_logprobs(req)
+        if k is not None or prompt_n is not None:
             need_tokenizer("logprobs")
         prompts = completion_prompts(req.prompt)
         max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
@@ -207,7 +208,9 @@ def build_app(llm=None, *, model_name: str | None = None, api_key: str | None = 
         prompt_only = req.echo and max_tokens == 0
         if prompt_only:
             max_tokens = 1
-        prompt_k = k if req.echo else None  # echo with logprobs: the prompt's tokens are reported too
+        # echo with logprobs: the prompt's tokens are reported too; prompt_logprobs: vLLM's extra
+        asked = [x for x in (k if req.echo else None, prompt_n) if x is not None]
+        prompt_k = max(asked) if asked else None
         plan = []
         for ids, text in prompts:
             check_length(ids, max_tokens, "prompt")
@@ -256,16 +259,25 @@ def build_app(llm=None, *, model_name: str | None = None, api_key: str | None = 
                           if k is not None and entries is not None else None)
                     choices.append({"index": i * n + c.index, "text": text, "logprobs": lp,
                                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                    if prompt_n is not None:
+                        choices[-1]["prompt_logprobs"] = P.prompt_logprobs_json(plan[i][0], out.prompt_logprobs,
+                                                                                tokenizer, prompt_n)
             prompt_tokens = sum(len(p[0]) for p in plan)
             return {"id": rid, "object": "text_completion", "created": created, "model": name,
                     "choices": choices, "usage": P.usage(prompt_tokens, completion_tokens)}
 
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        render = P.StreamChunks(rid, "text_completion", created, name, include_usage)
         # choice index -> [tokens sent, finished, text offset of the next token (the sum of the
         # sent tokens' texts, as the whole completion counts it: the text can lag the tokens
         # while a character's bytes are incomplete)]
         sent: dict[int, list[int]] = {}
+        running = None
+        if include_usage and req.stream_options.continuous_usage_stats:
+            prompt_total = sum(len(p[0]) for p in plan)
+
+            def running():
+                return P.usage(prompt_total, sum(state[0] for state in sent.values()))
+        render = P.StreamChunks(rid, "text_completion", created, name, include_usage, running)
         totals = [0]  # completion tokens of the finished choices
 
         def choices_of(i, out) -> list[str]:
@@ -328,6 +340,7 @@ def build_app(llm=None, *, model_name: str | None = None, api_key: str | None = 
         P.unsupported(req)
         need_tokenizer("chat")
         k = P.num_logprobs(req)
+        prompt_n = P.num_prompt_logprobs(req)
         if not req.messages:
             raise P.ApiError(400, "messages is empty", "messages")
         messages = P.chat_messages(req.messages)
@@ -346,7 +359,7 @@ def build_app(llm=None, *, model_name: str | None = None, api_key: str | None = 
         check_length(ids, 1, "messages")
         max_tokens = given if given is not None else max_model_len - len(ids)
         check_length(ids, max_tokens, "messages")
-        params = P.sampling_params(req, defaults, max_tokens=max_tokens, logprobs=k)
+        params = P.sampling_params(req, defaults, max_tokens=max_tokens, logprobs=k, prompt_logprobs=prompt_n)
         stream = admit(ids, params, "messages", req.stream)
         rid, created, n = P.new_id("chatcmpl"), P.now(), req.n
         include_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -359,11 +372,18 @@ def build_app(llm=None, *, model_name: str | None = None, api_key: str | None = 
                       if k is not None and c.logprobs is not None else None)
                 choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
                                 "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-            return {"id": rid, "object": "chat.completion", "created": created, "model": name, "choices": choices,
+            body = {"id": rid, "object": "chat.completion", "created": created, "model": name, "choices": choices,
                     "usage": P.usage(len(ids), sum(len(c.token_ids) for c in out.outputs))}
+            if prompt_n is not None:  # vLLM's extra, beside the choices
+                body["prompt_logprobs"] = P.prompt_logprobs_json(ids, out.prompt_logprobs, tokenizer, prompt_n)
+            return body
 
-        render = P.StreamChunks(rid, "chat.completion.chunk", created, name, include_usage)
         sent = [[0, 0] for _ in range(n)]  # per choice: [tokens sent, finished]
+        running = None
+        if include_usage and req.stream_options.continuous_usage_stats:
+            def running():
+                return P.usage(len(ids), sum(state[0] for state in sent))
+        render = P.StreamChunks(rid, "chat.completion.chunk", created, name, include_usage, running)
         totals = [0]  # completion tokens of the finished choices
 
         def choices_of(out) -> list[str]:

@@ -3,7 +3,8 @@ error shape, and the JSON of completions, chat completions and their stream chun
 
 Fields follow OpenAI's API plus vLLM's extras (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``include_stop_str_in_output``, ``skip_special_tokens``). Unknown fields are ignored, as
+``include_stop_str_in_output``, ``skip_special_tokens``, ``prompt_logprobs`` (not streamed),
+``stream_options.continuous_usage_stats``). Unknown fields are ignored, as
 vLLM ignores them; fields we cannot honour (``suffix``, ``best_of`` > n,
 tools, a non-text ``response_format``) are a 400 naming them. ``echo`` with ``logprobs``
 reports the prompt's tokens too, with their log-probabilities (the first has none: null),
@@ -73,6 +74,7 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -144,6 +146,36 @@ def num_logprobs(req: _Sampling) -> int | None:
     if k is not None and not 0 <= k <= MAX_LOGPROBS:
         raise ApiError(400, f"{field}={k}: must be in [0, {MAX_LOGPROBS}]", field)
     return k
+
+
+def num_prompt_logprobs(req: _Sampling) -> int | None:
+    """vLLM's ``prompt_logprobs`` extra: per prompt token the k most likely (None: not asked);
+    not with ``stream``, as vLLM answers."""
+    k = req.prompt_logprobs
+    if k is None:
+        return None
+    if not 0 <= k <= MAX_LOGPROBS:
+        raise ApiError(400, f"prompt_logprobs={k}: must be in [0, {MAX_LOGPROBS}]", "prompt_logprobs")
+    if req.stream:
+        raise ApiError(400, "prompt_logprobs is not available when stream is true", "prompt_logprobs")
+    return k
+
+
+def prompt_logprobs_json(token_ids: list[int], entries: list | None, tokenizer, k: int) -> list:
+    """vLLM's ``prompt_logprobs`` in a response: per prompt token None (the first) or
+    ``{token id: {"logprob", "rank", "decoded_token"}}`` for the prompt's token and the ``k``
+    most likely."""
+    out = []
+    for tok, entry in zip(token_ids, entries or [None] * len(token_ids), strict=True):
+        if entry is None:
+            out.append(None)
+            continue
+        best = sorted(entry.items(), key=lambda kv: (kv[1].rank or 0, -kv[1].logprob))[:k]
+        keep = dict(best)
+        keep.setdefault(tok, entry[tok])
+        out.append({str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank, "decoded_token": _token_text(lp, tokenizer, t)}
+                    for t, lp in keep.items()})
+    return out
 
 
 def sampling_params(req: _Sampling, defaults: SamplingParams, *, max_tokens: int,
@@ -291,13 +323,18 @@ class StreamChunks:
     the envelope (id, object, created, model) is encoded once per response and each event
     only encodes its choices' strings (no dict per chunk). An event is exactly
     ``"data: " + json.dumps({"id", "object", "created", "model", "choices"[, "usage": null]},
-    separators=(",", ":")) + "\n\n"`` with ``choices`` the given rendered choices."""
+    separators=(",", ":")) + "\n\n"`` with ``choices`` the given rendered choices; with
+    ``running_usage`` (vLLM's ``stream_options.continuous_usage_stats``) every event's
+    ``usage`` is what it returns then (the usage so far) instead of null."""
 
-    def __init__(self, rid: str, obj: str, created: int, model: str, include_usage: bool):
+    def __init__(self, rid: str, obj: str, created: int, model: str, include_usage: bool, running_usage=None):
         self.head = f'data: {{"id":{_ENC(rid)},"object":{_ENC(obj)},"created":{int(created)},"model":{_ENC(model)},"choices":['
         self.foot = "]" + (',"usage":null' if include_usage else "") + "}\n\n"
+        self.running_usage = running_usage
 
     def event(self, choices: list[str]) -> str:
+        if self.running_usage is not None:
+            return self.head + ",".join(choices) + '],"usage":' + _ENC(self.running_usage()) + "}\n\n"
         return self.head + ",".join(choices) + self.foot
 
     def usage_event(self, usage: dict) -> str:

@@ -51,7 +51,7 @@ import numpy as np
 from experiments import serving as S
 from experiments.common import machine_info, write_json
 
-FIXTURE = os.path.join(S.ROOT, "tests", "fixtures", "llama_text")
+FIXTURE = S.FIXTURE
 
 # Wraps the functions named in the module docstring; TIMELINE_DIR says where each process
 # writes ``<pid>.txt`` (lines "perf_counter event"), flushed after every step and report.

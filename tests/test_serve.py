@@ -61,6 +61,12 @@ def served(request):
         server.stop()
 
 
+def _reference(llm, server):
+    """An ``LLM`` to compute references with while serving: the fixture's, unless the
+    server's engine thread steps that one (then another, built alike)."""
+    return LLM(TEXT, **KW) if isinstance(server.engine, AsyncEngine) else llm
+
+
 def _client(server, key=KEY):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=key, timeout=TIMEOUT, max_retries=0)
 
@@ -164,8 +170,7 @@ def test_echo_with_logprobs_scores_the_prompt(served):
     (the first has none), equal to ``SamplingParams.prompt_logprobs`` offline; streamed, the
     first event carries them."""
     llm, server, _ = served
-    if isinstance(server.engine, AsyncEngine):  # the server's engine thread steps this llm: use another
-        llm = LLM(TEXT, **KW)
+    llm = _reference(llm, server)
     c = _client(server)
     prompt = PROMPTS[3]
     ref = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=2, prompt_logprobs=2,
@@ -231,8 +236,7 @@ def test_logit_bias(served):
     """OpenAI's ``logit_bias`` (token id strings to [-100, 100], clamped as vLLM does) gives
     what ``SamplingParams.logit_bias`` gives offline, in completions and chat."""
     llm, server, _ = served
-    if isinstance(server.engine, AsyncEngine):  # the server's engine thread steps this llm: use another
-        llm = LLM(TEXT, **KW)
+    llm = _reference(llm, server)
     c = _client(server)
     ids = llm.get_tokenizer().encode(" lighthouse", add_special_tokens=False)
     forced = {str(ids[0]): 250}  # clamped to 100

@@ -166,7 +166,8 @@ def history(seq, eos_token_ids) -> tuple | None:
         return None
     counts = seq.output_counts() if p.uses_penalties else {}
     out_ids = np.fromiter(counts.keys(), np.int32, len(counts))
-    ids = np.union1d(seq.prompt_ids(), out_ids) if repetition else np.sort(out_ids)
+    seen = np.union1d(seq.prompt_ids(), out_ids) if repetition else None  # sorted, distinct
+    ids = seen if repetition else np.sort(out_ids)
     if ban:
         ids = np.union1d(ids, np.asarray(ban, np.int32))
     if bias:
@@ -175,9 +176,9 @@ def history(seq, eos_token_ids) -> tuple | None:
     ids = ids.astype(np.int32)
     num = np.zeros(len(ids), np.int32)
     num[np.searchsorted(ids, out_ids)] = np.fromiter(counts.values(), np.int32, len(counts))
-    flags = np.full(len(ids), 0, np.int32)
-    if repetition:  # only the prompt's and the output's tokens, not the ones listed for a ban or a bias
-        flags[np.isin(ids, np.union1d(seq.prompt_ids(), out_ids))] = SEEN
+    flags = np.zeros(len(ids), np.int32)
+    if repetition:  # the prompt's and the output's tokens, not the ones only listed for a ban or a bias
+        flags[np.searchsorted(ids, seen)] = SEEN
     if ban:
         flags[np.searchsorted(ids, np.asarray(ban, np.int32))] |= BANNED
     add = np.zeros(len(ids), np.float32)

@@ -170,8 +170,7 @@ def prompt_logprobs_json(token_ids: list[int], entries: list | None, tokenizer, 
         if entry is None:
             out.append(None)
             continue
-        best = sorted(entry.items(), key=lambda kv: (kv[1].rank or 0, -kv[1].logprob))[:k]
-        keep = dict(best)
+        keep = dict(_best(entry, k))
         keep.setdefault(tok, entry[tok])
         out.append({str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank, "decoded_token": _token_text(lp, tokenizer, t)}
                     for t, lp in keep.items()})
@@ -260,6 +259,11 @@ def _lp(x: float) -> float:
     return x if x > _NEG_INF else _NEG_INF
 
 
+def _best(entry: dict, k: int) -> list:
+    """The ``k`` most likely ``(token id, Logprob)`` of one position's engine entry (by rank)."""
+    return sorted(entry.items(), key=lambda kv: (kv[1].rank or 0, -kv[1].logprob))[:k]
+
+
 def _token_text(entry, tokenizer, token: int) -> str:
     return entry.decoded_token if entry.decoded_token is not None else tokenizer.decode([token],
                                                                                      skip_special_tokens=False)
@@ -274,21 +278,16 @@ def completion_logprobs(token_ids: list[int], entries: list[dict | None], tokeni
     tokens, token_logprobs, top, offsets = [], [], [], []
     for tok, entry in zip(token_ids, entries, strict=True):
         if entry is None:
-            text = tokenizer.decode([tok], skip_special_tokens=False)
-            tokens.append(text)
-            token_logprobs.append(None)
-            top.append(None)
-            offsets.append(offset)
-            offset += len(text)
-            continue
-        text = _token_text(entry[tok], tokenizer, tok)
+            text, value, entries_k = tokenizer.decode([tok], skip_special_tokens=False), None, None
+        else:
+            text, value, entries_k = _token_text(entry[tok], tokenizer, tok), _lp(entry[tok].logprob), None
+            if k:
+                entries_k = {}
+                for t, lp in _best(entry, k):  # tokens with the same text (partial UTF-8) keep the likeliest
+                    entries_k.setdefault(_token_text(lp, tokenizer, t), _lp(lp.logprob))
         tokens.append(text)
-        token_logprobs.append(_lp(entry[tok].logprob))
-        best = sorted(entry.items(), key=lambda kv: (kv[1].rank or 0, -kv[1].logprob))[:k] if k else []
-        entries_k = {}
-        for t, lp in best:  # tokens with the same text (partial UTF-8) keep the likeliest
-            entries_k.setdefault(_token_text(lp, tokenizer, t), _lp(lp.logprob))
-        top.append(entries_k if k else None)
+        token_logprobs.append(value)
+        top.append(entries_k)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
@@ -299,7 +298,7 @@ def chat_logprobs(token_ids: list[int], entries: list[dict], tokenizer, k: int) 
     content = []
     for tok, entry in zip(token_ids, entries, strict=True):
         text = _token_text(entry[tok], tokenizer, tok)
-        best = sorted(entry.items(), key=lambda kv: (kv[1].rank or 0, -kv[1].logprob))[:k]
+        best = _best(entry, k)
         content.append({
             "token": text, "logprob": _lp(entry[tok].logprob), "bytes": list(text.encode()),
             "top_logprobs": [{"token": (s := _token_text(lp, tokenizer, t)), "logprob": _lp(lp.logprob),
@@ -334,12 +333,15 @@ class StreamChunks:
 
     def event(self, choices: list[str]) -> str:
         if self.running_usage is not None:
-            return self.head + ",".join(choices) + '],"usage":' + _ENC(self.running_usage()) + "}\n\n"
+            return self._with_usage(choices, self.running_usage())
         return self.head + ",".join(choices) + self.foot
 
     def usage_event(self, usage: dict) -> str:
         """The last chunk of ``stream_options.include_usage``: no choices, the usage."""
-        return self.head + '],"usage":' + _ENC(usage) + "}\n\n"
+        return self._with_usage([], usage)
+
+    def _with_usage(self, choices: list[str], usage: dict) -> str:
+        return self.head + ",".join(choices) + '],"usage":' + _ENC(usage) + "}\n\n"
 
 
 def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason, stop_reason) -> str:

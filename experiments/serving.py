@@ -233,12 +233,13 @@ def engine_options(quick: bool) -> dict:
                 max_model_len=256, dtype="float32", enable_prefix_caching=False)
 
 
-def ours_command(model: str, port: int, options: dict, engine_process: bool | None = None) -> list[str]:
-    """Our server's command line; ``engine_process`` None: the server's default engine placement."""
+def ours_command(model: str, port: int, options: dict, engine: str | None = None) -> list[str]:
+    """Our server's command line; ``engine``: where its engine core runs (``--engine``; None: the
+    server's default)."""
     cmd = [sys.executable, "-m", "paged_jax.serve", model, "--port", str(port), "--served-model-name", NAME,
            "--log-level", "warning", "--max-waiting", "100000"]
-    if engine_process is not None:
-        cmd.append("--engine-process" if engine_process else "--no-engine-process")
+    if engine is not None:
+        cmd += ["--engine", engine]
     for k, v in options.items():
         flag = "--" + k.replace("_", "-")
         cmd += [flag if v else "--no-" + flag[2:]] if isinstance(v, bool) else [flag, str(v)]
@@ -575,9 +576,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--vllm-bench-rates", type=float, nargs="*", default=None,
                    help="rates at which vLLM's own client also runs against our server (default: 1 and the "
                         "highest rate; none with --quick); needs the vLLM side venv")
-    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
-                   help="our server's engine in its own process, or on a thread of the server (default: the "
-                        "server's default)")
+    p.add_argument("--engine", choices=("inline", "process", "thread"), default=None,
+                   help="where our server's engine core runs (its --engine; default: the server's default)")
     p.add_argument("--overhead-only", action="store_true",
                    help="only the paired per-request overhead on --overhead-model (its own server; no rates, "
                         "no vLLM): the A/B measurement of server changes; JSON serving_overhead.json")
@@ -612,7 +612,7 @@ def main(argv: list[str] | None = None) -> dict:
         return got
 
     print("paged_jax server:")
-    ours = sweep(ours_command(args.model, _free_port(), options, args.engine_process), rates, requests, args.burstiness, slo,
+    ours = sweep(ours_command(args.model, _free_port(), options, args.engine), rates, requests, args.burstiness, slo,
                  during=during_ours)
     got = ours.pop("during")
     load = {"ours": ours.pop("loadavg")}
@@ -621,7 +621,7 @@ def main(argv: list[str] | None = None) -> dict:
         overhead_ms = got["overhead"]
     else:  # its own server on the overhead model, alone on this machine
         print(f"paged_jax server on {_shown(args.overhead_model)} for the per-request overhead:")
-        oh = sweep(ours_command(args.overhead_model, _free_port(), options, args.engine_process), [], oh_requests, args.burstiness, slo,
+        oh = sweep(ours_command(args.overhead_model, _free_port(), options, args.engine), [], oh_requests, args.burstiness, slo,
                    during=lambda url, pid: paired_overhead(url, baseline, oh_requests, repeats, pid))
         overhead_ms = oh.pop("during")
         load["overhead"] = oh.pop("loadavg")
@@ -729,10 +729,10 @@ def overhead_only(args) -> dict:
     options = engine_options(quick)
     repeats = args.overhead_repeats or (1 if quick else 3)
     baseline = engine_alone(args.overhead_model, options, requests)
-    mode = {None: "default", True: "process", False: "thread"}[args.engine_process]
+    mode = args.engine or "default"
     print(f"paged_jax server ({mode} engine) on {_shown(args.overhead_model)}: {num} prompts x {repeats}, outputs "
           f"{min(m for _, m in requests)}-{max(m for _, m in requests)} tokens")
-    got = sweep(ours_command(args.overhead_model, _free_port(), options, args.engine_process), [], requests, 1.0,
+    got = sweep(ours_command(args.overhead_model, _free_port(), options, args.engine), [], requests, 1.0,
                 (args.slo_ttft, args.slo_tpot),
                 during=lambda url, pid: paired_overhead(url, baseline, requests, repeats, pid))
     oh = got["during"]

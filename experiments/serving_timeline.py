@@ -3,22 +3,23 @@ every process on its path (the paired overhead of ``serving`` says how much the 
 within the machine's noise; this says where).
 
 ``python -m experiments serving_timeline [--model DIR] [--num-prompts 16] [--repeats 3]
-[--pin] [--out DIR]``
+[--engine inline|process|thread] [--pin] [--out DIR]``
 
 Our server (``serving.ours_command``, the study's quick options) starts with a
 ``sitecustomize`` on its ``PYTHONPATH`` that wraps a few functions to log
 ``time.perf_counter()`` (CLOCK_MONOTONIC: one clock for every process on Linux): uvicorn's
-``data_received``, ``EngineClient.submit``, ``EngineCore.apply``/``step``, the core's
-report sends and command polls, the HTTP side's report arrivals and hand-overs to the
-loop. The client (aiohttp, this process) sends streamed requests one at a time and logs
+``data_received``, ``EngineClient.submit``, ``EngineCore.apply``/``step``, the HTTP side's
+report arrivals. The client (aiohttp, this process) sends streamed requests one at a time and logs
 when it sent each and when each event arrived. Per request, medians over requests:
 
 - ``client_to_server``: the client's send until the server reads the request's bytes;
 - ``http_to_submit``: parsing, routing, validation, tokenising, up to ``submit``;
-- ``submit_to_engine``: the add command's trip to the engine process;
+- ``submit_to_engine``: the add command's trip to the engine core (its process, its thread,
+  or the loop's next turn);
 - ``add_to_first_step``: ``LLM.add_request`` in the engine (the engine-only path has it too);
 - ``step``, ``between_steps``: engine steps and what the core does between two (its
-  report: ``usage()``, pickling, the pipe write that wakes the HTTP side);
+  report: ``usage()``; in the process engine pickling and the pipe write that wakes the
+  HTTP side; inline, the loop's callbacks: the SSE chunk's write, requests arriving);
 - ``report_to_http``: a step's end until its report is read on the HTTP side;
 - ``last_step_to_client``: the last step's end until the client has the end of the response.
 
@@ -65,18 +66,14 @@ SITECUSTOMIZE = textwrap.dedent('''
         def patch(mod):
             if mod.__name__.endswith(".core"):
                 C = mod.EngineCore
-                apply, step, run = C.apply, C.step, C.run
+                apply, step, turn = C.apply, C.step, C.turn
                 def t_apply(self, c):
                     log("apply_" + c[0]); return apply(self, c)
                 def t_step(self):
                     log("step_start"); r = step(self); log("step_end"); return r
-                def t_run(self, commands, send):
-                    def t_commands(timeout):
-                        r = commands(timeout); log("polled"); return r
-                    def t_send(report):
-                        log("send_start"); send(report); log("send_end"); _f.flush()
-                    return run(self, t_commands, t_send)
-                C.apply, C.step, C.run = t_apply, t_step, t_run
+                def t_turn(self, commands):
+                    r = turn(self, commands); _f.flush(); return r
+                C.apply, C.step, C.turn = t_apply, t_step, t_turn
             else:
                 E = mod.EngineClient
                 submit, on_reports = E.submit, E._on_reports
@@ -224,7 +221,7 @@ def phases(events: list[tuple[float, str]], requests: list[tuple[float, list[flo
     return got
 
 
-def run(model: str, num: int, repeats: int, pin: bool) -> dict:
+def run(model: str, num: int, repeats: int, pin: bool, engine: str | None = None) -> dict:
     requests = S.workload(model, num, 8, 16)
     llm = None if pin else S.engine_alone(model, S.engine_options(True), requests)
     with tempfile.TemporaryDirectory() as site, tempfile.TemporaryDirectory() as logs:
@@ -233,7 +230,7 @@ def run(model: str, num: int, repeats: int, pin: bool) -> dict:
         env = {**os.environ, "TIMELINE_DIR": logs,
                "PYTHONPATH": os.pathsep.join([site, *filter(None, [os.environ.get("PYTHONPATH")])])}
         port = S._free_port()
-        command = S.ours_command(model, port, S.engine_options(True))
+        command = S.ours_command(model, port, S.engine_options(True), engine)
         proc = subprocess.Popen((["taskset", "-c", "0"] if pin else []) + command, cwd=S.ROOT, env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         mine = os.sched_getaffinity(0)
@@ -267,18 +264,24 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", default=FIXTURE)
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--pin", action="store_true", help="engine process on CPU 0, HTTP process and client on CPU 1")
+    p.add_argument("--engine", choices=("inline", "process", "thread"), default=None,
+                   help="where the server's engine core runs (its --engine; default: the server's default)")
+    p.add_argument("--pin", action="store_true",
+                   help="engine process on CPU 0, HTTP process and client on CPU 1 (with --engine process)")
     p.add_argument("--quick", action="store_true", help="4 prompts, once")
     p.add_argument("--out", default="docs/results")
     args = p.parse_args(argv)
     if args.pin and len(os.sched_getaffinity(0)) < 2:
         sys.exit("--pin needs two CPUs")
+    if args.pin and args.engine != "process":
+        sys.exit("--pin places the engine process: it needs --engine process")
     num, repeats = (4, 1) if args.quick else (args.num_prompts, args.repeats)
     wake = wake_latency(50 if args.quick else 200)
     print("wake-up round trip between two processes (µs p50): "
           + ", ".join(f"{k.split('_')[1]} idle {v:.0f}" for k, v in wake.items()))
-    got = run(args.model, num, repeats, args.pin)
-    print(f"one request at a time, {got['requests']} requests, {got['sse_events_per_request_p50']:.0f} SSE events p50"
+    got = run(args.model, num, repeats, args.pin, args.engine)
+    print(f"{args.engine or 'default'} engine, one request at a time, {got['requests']} requests, "
+          f"{got['sse_events_per_request_p50']:.0f} SSE events p50"
           f"{' (pinned)' if args.pin else ''}:")
     for k in PHASES:
         v50, v90 = got["ms_p50"][k], got["ms_p90"][k]
@@ -286,6 +289,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"  {k:22s} p50 {v50:7.3f} ms  p90 {v90:7.3f} ms")
     result = {"study": "serving_timeline", "machine": machine_info(),
               "config": {"model": S._shown(args.model), "num_prompts": num, "repeats": repeats, "pin": args.pin,
+                         "engine": args.engine or "default",
                          "engine_options": S.engine_options(True), "client": S.CLIENT},
               "wake_latency": wake, **got,
               "headline": {"e2e_ms_p50": got["ms_p50"]["e2e"], "step_ms_p50": got["ms_p50"]["step"],

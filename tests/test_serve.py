@@ -1,8 +1,8 @@
 """The OpenAI-compatible server with real clients on localhost: the official ``openai``
 package (sync and async) and httpx, against a server the test starts on 127.0.0.1 at a
-free port (uvicorn in a thread), with the engine core on a thread ("thread": the ``LLM``
-the test holds) or in its own process ("process": an ``LLM`` built there from the same
-options). Outputs through the server equal ``LLM.generate`` / ``LLM.chat``; a dropped
+free port (uvicorn in a thread), with the engine core stepped on the server's loop
+("inline", the default) or on a thread ("thread"), both the ``LLM`` the test holds, or in
+its own process ("process": an ``LLM`` built there from the same options). Outputs through the server equal ``LLM.generate`` / ``LLM.chat``; a dropped
 client leaves no block allocated; bad inputs get their 4xx in OpenAI's error shape. Every
 wait is bounded."""
 
@@ -47,12 +47,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 EXTRA = {"ignore_eos": True}
 
 
-@pytest.fixture(scope="module", params=["thread", "process"])
+@pytest.fixture(scope="module", params=["inline", "thread", "process"])
 def served(request):
     llm = LLM(TEXT, **KW)
     want = [o.outputs[0].text for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    if request.param == "thread":
+    if request.param == "inline":
         server = start_in_thread(llm, model_name=NAME, api_key=KEY)
+    elif request.param == "thread":
+        server = start_in_thread(engine=AsyncEngine(llm), model_name=NAME, api_key=KEY)
     else:  # the server's engine is another LLM, in the child; llm is the reference
         server = start_in_thread(engine=ProcessEngine(TEXT, KW, warmup=False), model_name=NAME, api_key=KEY)
     try:
@@ -63,8 +65,13 @@ def served(request):
 
 def _reference(llm, server):
     """An ``LLM`` to compute references with while serving: the fixture's, unless the
-    server's engine thread steps that one (then another, built alike)."""
-    return LLM(TEXT, **KW) if isinstance(server.engine, AsyncEngine) else llm
+    server steps that one (then another, built alike)."""
+    return LLM(TEXT, **KW) if _in_process(server) else llm
+
+
+def _in_process(server) -> bool:
+    """The server steps an ``LLM`` of this process (inline or thread), not one in a child."""
+    return getattr(server.engine, "llm", None) is not None
 
 
 def _client(server, key=KEY):
@@ -81,8 +88,8 @@ def _metric(server, name: str) -> float:
 
 def _assert_idle(llm, server, timeout=TIMEOUT):
     """Wait until the engine has nothing running or held, then check no block is held: as
-    the device has it (thread: the engine thread is parked, nothing steps meanwhile) or as
-    the child's ``usage()`` reports it (process)."""
+    the device has it (inline, thread: nothing steps an idle engine) or as the child's
+    ``usage()`` reports it (process)."""
     assert server.engine.wait_idle(timeout), "the engine did not go idle"
     deadline = time.monotonic() + timeout
     while _metric(server, "paged_jax:kv_cache_blocks_used") != 0:
@@ -90,7 +97,7 @@ def _assert_idle(llm, server, timeout=TIMEOUT):
         time.sleep(0.05)
     u = server.engine.usage()
     assert u.blocks_used == 0 and u.running == u.waiting == u.swapped == 0, u
-    if isinstance(server.engine, AsyncEngine):
+    if _in_process(server):
         cache = llm.inspect()
         assert cache.idle and cache.num_free == cache.num_blocks and not cache.rows
 
@@ -292,6 +299,29 @@ def test_64_concurrent_clients_equal_generate(served):
     assert got == want
     _assert_idle(llm, server)
     assert _metric(server, "paged_jax:time_to_first_token_seconds_count") >= 64
+
+
+def test_requests_are_answered_between_the_steps_of_a_long_stream(served):
+    """While one stream runs 80 steps, /health, /tokenize and a short completion are answered
+    before it ends: the inline engine yields the loop after every step, the others step
+    beside it."""
+    llm, server, want = served
+    body = {"model": NAME, "prompt": PROMPTS[2], "max_tokens": 80, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(timeout=TIMEOUT, headers=auth) as h, h.stream("POST", server.url + "/v1/completions",
+                                                                    json=body) as r:
+        lines = (line for line in r.iter_lines() if line.startswith("data:"))
+        next(lines)
+        with httpx.Client(timeout=TIMEOUT, headers=auth) as other:
+            assert other.get(server.url + "/health").status_code == 200
+            assert other.post(server.url + "/tokenize", json={"prompt": "the sea"}).json()["count"] > 0
+            short = other.post(server.url + "/v1/completions", json={
+                "model": NAME, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, **EXTRA}).json()
+        rest = list(lines)
+    assert short["choices"][0]["text"] == want[0]
+    assert len(rest) > 10 and rest[-1] == "data: [DONE]"  # still running (an engine holding the loop: 1-2 merged)
+    _assert_idle(llm, server)
 
 
 def test_a_dropped_client_frees_its_blocks(served):

@@ -1,8 +1,9 @@
 """``python -m paged_jax.serve`` as a user runs it: a subprocess on 127.0.0.1, LLM options
 on the command line, the openai client against it, and SIGTERM draining a stream in flight
 (it runs to its end, then the process exits by the signal, as uvicorn does, with no
-traceback), with the engine in its own process (the default; that process is gone too once
-the server exits) or on a thread. Slow: a fresh process loads and compiles."""
+traceback), with the engine stepped on the server's loop (the default), in its own process
+(that process is gone too once the server exits) or on a thread. Slow: a fresh process loads
+and compiles."""
 
 import json
 import os
@@ -43,12 +44,12 @@ def _cmdline(pid: int) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["--engine-process", "--no-engine-process"])
+@pytest.mark.parametrize("engine", ["inline", "process", "thread"])
 def test_cli_serves_the_openai_client_and_sigterm_drains(engine):
     port = _free_port()
     cmd = [sys.executable, "-m", "paged_jax.serve", TEXT, "--port", str(port), "--served-model-name", "tiny",
            "--block-size", "8", "--num-gpu-blocks", "64", "--max-num-seqs", "4", "--max-model-len", "96",
-           "--no-enable-prefix-caching", "--no-warmup", "--log-level", "warning", engine]
+           "--no-enable-prefix-caching", "--no-warmup", "--log-level", "warning", "--engine", engine]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -65,7 +66,7 @@ def test_cli_serves_the_openai_client_and_sigterm_drains(engine):
             time.sleep(0.5)
         children = _children(proc.pid)  # the engine process (and multiprocessing's resource tracker)
         engines = [c for c in children if "resource_tracker" not in _cmdline(c)]
-        assert len(engines) == (1 if engine == "--engine-process" else 0), [_cmdline(c) for c in children]
+        assert len(engines) == (1 if engine == "process" else 0), [_cmdline(c) for c in children]
         c = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=120, max_retries=0)
         r = c.completions.create(model="tiny", prompt="The little lighthouse", max_tokens=6, temperature=0)
         assert r.usage.completion_tokens <= 6 and r.model == "tiny"

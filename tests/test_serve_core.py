@@ -1,7 +1,8 @@
 """The engine core (``serve/core.py``) on the fake model, without HTTP: what it reports for
-adds, finishes, aborts, a refused add, a step that raises and a stop, as both the thread
-and the process mode rely on; and the thread mode's streams raising ``EngineError`` when a
-step fails."""
+adds, finishes, aborts, a refused add, a step that raises and a stop, as every placement
+relies on; and the streams of the in-process placements (stepped on the caller's loop,
+``InlineEngine``, or on a thread, ``AsyncEngine``) raising ``EngineError`` when a step
+fails and yielding what their output kind asks."""
 
 import asyncio
 
@@ -10,10 +11,30 @@ from engine_fakes import fake_backend
 
 from paged_jax import LLM, RequestOutputKind, SamplingParams
 from paged_jax.engine.outputs import OutputAccumulator
-from paged_jax.serve.async_engine import AsyncEngine
+from paged_jax.serve.async_engine import AsyncEngine, InlineEngine
 from paged_jax.serve.core import EngineCore, EngineError, Overloaded
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+PLACEMENTS = [InlineEngine, AsyncEngine]
+
+
+def _serve(placement, llm, body):
+    """Run ``await body(engine)`` with a ``placement`` engine on ``llm`` started on the
+    loop, then wait (off the loop) for it to go idle and stop it: body's result, the engine."""
+    engine = placement(llm)
+
+    async def main():
+        engine.start()
+        try:
+            got = await body(engine)
+            assert await asyncio.to_thread(engine.wait_idle, 60)
+            assert engine.usage().blocks_used == 0
+            return got
+        finally:
+            await asyncio.to_thread(engine.shutdown)
+            assert not engine.alive
+
+    return asyncio.run(asyncio.wait_for(main(), 120)), engine
 
 
 @pytest.fixture
@@ -81,10 +102,9 @@ def test_a_refused_add_is_reported_and_a_failed_step_fails_the_live_requests(llm
     assert any(o.request_id == "c" and o.finished for r in reports for o in r.outputs)  # the next one runs
 
 
-def test_thread_engine_streams_raise_engine_error_when_a_step_fails(llm):
-    engine = AsyncEngine(llm).start()
-
-    async def main():
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_streams_raise_engine_error_when_a_step_fails(llm, placement):
+    async def body(engine):
         _fail_next_step(llm)
         with pytest.raises(EngineError, match="boom"):
             async for _ in engine.submit([1, 2, 3], GREEDY):
@@ -92,17 +112,13 @@ def test_thread_engine_streams_raise_engine_error_when_a_step_fails(llm):
         outs = [o async for o in engine.submit([1, 2, 3], GREEDY)]
         return outs[-1]
 
-    try:
-        last = asyncio.run(asyncio.wait_for(main(), 60))
-        assert last.finished and len(last.outputs[0].token_ids) == 5
-        assert engine.wait_idle(60) and engine.usage().blocks_used == 0
-    finally:
-        engine.shutdown()
-    assert not engine.alive
+    last, _ = _serve(placement, llm, body)
+    assert last.finished and len(last.outputs[0].token_ids) == 5
 
 
+@pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("kind", list(RequestOutputKind))
-def test_streams_yield_what_their_output_kind_asks(llm, kind):
+def test_streams_yield_what_their_output_kind_asks(llm, kind, placement):
     """The core reports deltas whatever the caller asked; the caller's side gives a DELTA
     stream deltas (concatenating to the whole output), a FINAL_ONLY stream one output, a
     CUMULATIVE stream growing whole outputs; the metrics count every token either way."""
@@ -110,19 +126,14 @@ def test_streams_yield_what_their_output_kind_asks(llm, kind):
               for s in range(3)]
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     want = llm.generate(prompts, params, use_tqdm=False)
-    engine = AsyncEngine(llm).start()
 
-    async def main():
+    async def body(engine):
         async def one(p, sp):
             return [o async for o in engine.submit(p, sp)]
 
         return await asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params, strict=True)))
 
-    try:
-        got = asyncio.run(asyncio.wait_for(main(), 60))
-        assert engine.wait_idle(60)
-    finally:
-        engine.shutdown()
+    got, engine = _serve(placement, llm, body)
     for outs, w in zip(got, want, strict=True):
         whole = [(c.index, c.token_ids, c.finish_reason) for c in w.outputs]
         assert outs[-1].finished and not any(o.finished for o in outs[:-1])

@@ -1,14 +1,17 @@
 """``python -m paged_jax.serve MODEL [--host 127.0.0.1] [--port 8000] [--api-key KEY]
-[--served-model-name NAME] [--max-waiting N] [--no-engine-process] [any LLM option]``.
+[--served-model-name NAME] [--max-waiting N] [--engine inline|process|thread] [any LLM option]``.
 
 Every ``EngineArgs`` field is an option with dashes (``--max-num-seqs 32``,
 ``--enable-prefix-caching``, ``--no-share-blocks``, ``--speculative-config '{"method":
 "ngram", "num_speculative_tokens": 4}'``): ints and floats as such, booleans as flags,
 dicts and policy arguments as JSON (else the string).
 
-By default the engine runs in a process of its own (``engine_process``), so the HTTP
-side's Python does not share a GIL with the engine step; ``--no-engine-process`` runs it
-on a thread of the server process instead.
+Where the engine core runs (``--engine``, default ``inline``): ``inline`` steps it on the
+server's asyncio loop between the HTTP callbacks (``InlineEngine``: no hand-over between
+threads or processes on a streamed token's way); ``process`` in a process of its own
+(``ProcessEngine``: the HTTP side's Python runs beside the step, at a pipe and two wake-ups
+a step); ``thread`` on a thread of the server process (``AsyncEngine``, sharing its GIL).
+Measured: docs/results/notes/serving.md.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import os
 import sys
 
 SWITCH_INTERVAL = 0.005  # Python's default
-ENGINE_PROCESS = True  # measured: docs/results/notes/serving.md
+ENGINES = ("inline", "process", "thread")  # where the engine core runs; the first is the default (measured:
+# docs/results/notes/serving.md)
 _SERVER_ONLY = ("model", "mesh")  # not options: the positional model; a Mesh has no command-line form
 
 
@@ -59,9 +63,10 @@ def parser() -> argparse.ArgumentParser:
                    default=float(os.environ.get("PAGED_JAX_SWITCH_INTERVAL", SWITCH_INTERVAL)),
                    help="sys.setswitchinterval for the server process, s: how long the HTTP loop can wait "
                         "for the GIL while the engine thread holds it (Python's default is 0.005)")
-    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=ENGINE_PROCESS,
-                   help="run the engine in its own process (else on a thread of the server process, sharing "
-                        "its GIL with the HTTP side)")
+    p.add_argument("--engine", choices=ENGINES, default=ENGINES[0],
+                   help="where the engine core runs: on the server's asyncio loop between the HTTP callbacks "
+                        "(inline), in a process of its own (process), or on a thread of the server process "
+                        "sharing its GIL (thread)")
     engine = p.add_argument_group("engine (LLM / EngineArgs options)")
     for f in dataclasses.fields(EngineArgs):
         if f.name in _SERVER_ONLY:
@@ -87,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.setswitchinterval(args.switch_interval)
     app_kw = dict(log_level=args.log_level, model_name=args.served_model_name or args.model, api_key=args.api_key,
                   max_waiting=args.max_waiting)
-    if args.engine_process:
+    if args.engine == "process":
         from paged_jax.serve.engine_process import ProcessEngine
 
         engine = ProcessEngine(args.model, engine_kw, warmup=not args.no_warmup, max_waiting=args.max_waiting)
@@ -96,11 +101,13 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             engine.shutdown()  # already stopped after a drain; here for a server that failed to start
         return
+    from paged_jax.serve.async_engine import AsyncEngine, InlineEngine
+
     llm = LLM(args.model, **engine_kw)
     if not args.no_warmup:
         llm.warmup(use_tqdm=False)
-    serve(llm, args.host, args.port, **app_kw)
-
+    placement = InlineEngine if args.engine == "inline" else AsyncEngine
+    serve(None, args.host, args.port, engine=placement(llm, max_waiting=args.max_waiting), **app_kw)
 
 if __name__ == "__main__":
     main()

@@ -2,16 +2,17 @@
 requests from asyncio callers join and leave between steps, so HTTP requests batch with each
 other (continuous batching across clients).
 
-``EngineClient`` is the caller's side, shared by both places the core can run:
-``AsyncEngine`` runs it on a thread of this process (tests, notebooks, ``build_app(llm)``);
-``engine_process.ProcessEngine`` runs it in a process of its own, so the HTTP side's Python
-no longer shares a GIL with the engine step (the server's ``--engine-process``). Either
-way callers get each request's ``RequestOutput``s as its ``SamplingParams.output_kind``
+``EngineClient`` is the caller's side, shared by the three places the core can run (the
+server's ``--engine``): ``InlineEngine`` takes the core's turns on the callers' own asyncio
+loop, between its other callbacks (the default: nothing crosses a thread or a process);
+``AsyncEngine`` runs it on a thread of this process; ``engine_process.ProcessEngine`` in a
+process of its own, so the HTTP side's Python does not share a GIL with the engine step.
+Every way callers get each request's ``RequestOutput``s as its ``SamplingParams.output_kind``
 asks (vLLM's ``RequestOutputKind``): deltas (what the server streams), the final output only
 (what it answers when not streaming), or whole outputs (the default). The core always
 reports deltas, so what crosses from the engine process per step is O(new tokens), not
 O(length); this side adds them up where a caller wants more. The news of every request of a
-step is handed to the loop in one ``call_soon_threadsafe``, and each request keeps one
+step is handed to the loop in one ``call_soon_threadsafe`` (inline: at once), and each request keeps one
 unread output until its consumer reads it, so outputs that pile up while the consumer is
 busy (a slow client, a loop waiting for the GIL) are read as one (coalesced: deltas merged,
 or the latest whole output).
@@ -32,6 +33,7 @@ engine's counts (``LLM.usage()``) after every step.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import queue
 import threading
@@ -43,7 +45,7 @@ from paged_jax.engine.sampling import RequestOutputKind
 from paged_jax.serve.core import EngineCore, EngineError, Overloaded, StepReport
 from paged_jax.serve.metrics import ServerMetrics
 
-__all__ = ["AsyncEngine", "EngineClient", "EngineError", "Overloaded", "RequestStream"]
+__all__ = ["AsyncEngine", "EngineClient", "InlineEngine", "EngineError", "Overloaded", "RequestStream"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -306,6 +308,87 @@ class AsyncEngine(EngineClient):
             self._close(Overloaded("the server shut down"))
 
 
+class InlineEngine(EngineClient):
+    """Serve an ``LLM`` from an engine core stepped on the server's own asyncio loop (the
+    CLI's default): a task takes the core's turns (``EngineCore.turn``: the commands queued,
+    then one step) and yields to the loop after each, so HTTP requests are read, submitted
+    and answered between two steps, as the other engines' requests join between steps.
+    Nothing crosses a thread or a process: a command is a deque append, a step's news is
+    put straight into its streams, and each SSE chunk is written by the same thread right
+    after the step, where the other placements pay a wake-up per hop (a pipe, the reader
+    thread, ``call_soon_threadsafe``) on each streamed token
+    (``docs/results/notes/serving.md``). The price: the loop answers nothing during a step
+    (``/health`` and ``/metrics`` wait for its end), and the HTTP side's Python runs
+    between steps rather than beside them.
+
+    Args:
+      llm: the engine, used only from the loop's thread once ``start`` is called (from the
+        loop: the app's lifespan calls it).
+      max_waiting, metrics: as ``AsyncEngine``'s.
+    """
+
+    def __init__(self, llm, *, max_waiting: int = 512, metrics: ServerMetrics | None = None):
+        super().__init__(llm, llm.usage(), max_waiting=max_waiting, metrics=metrics)
+        self.llm = llm
+        self.core = EngineCore(llm)
+        self._commands: collections.deque = collections.deque()  # appends and pops are thread-safe
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._stopped = threading.Event()
+
+    def start(self) -> InlineEngine:
+        """Start the core's task on the running loop (call it on that loop)."""
+        if self._task is None:
+            self._loop = asyncio.get_running_loop()
+            self._wake = asyncio.Event()
+            self._task = self._loop.create_task(self._run(), name="paged_jax-engine")
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done() and not self._closed
+
+    def _send(self, command) -> None:
+        self._commands.append(command)
+        loop = self._loop
+        if loop is None:  # not started: the first turn takes it
+            return
+        if asyncio._get_running_loop() is loop:
+            self._wake.set()
+        else:
+            try:
+                loop.call_soon_threadsafe(self._wake.set)
+            except RuntimeError:  # the loop is closed: nothing will answer
+                pass
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the core after its current step (unfinished requests get ``Overloaded``); off
+        the loop's thread, wait up to ``timeout`` seconds for it."""
+        self.draining = True
+        self._send(("stop",))
+        if self._task is not None and asyncio._get_running_loop() is not self._loop:
+            self._stopped.wait(timeout)
+
+    async def _run(self) -> None:
+        core, commands, wake = self.core, self._commands, self._wake
+        try:
+            while True:
+                if not commands and not core.has_work():
+                    wake.clear()
+                    await wake.wait()
+                batch = [commands.popleft() for _ in range(len(commands))]
+                report, go_on = core.turn(batch)
+                if report is not None:
+                    self._on_reports([report])
+                if not go_on:
+                    return
+                await asyncio.sleep(0)  # the loop's I/O and the consumers this step woke
+        finally:
+            self._close(Overloaded("the server shut down"))
+            self._stopped.set()
+
+
 class RequestStream:
     """One submitted request: ``async for out in stream`` yields its ``RequestOutput``s (as
     its ``output_kind`` asks, module docstring; the last has ``finished``), raising
@@ -353,12 +436,16 @@ def _one_request(message: str) -> str:
 
 
 def _hand_over(items) -> None:
-    """``(stream, output or exception)`` pairs to their loops: one ``call_soon_threadsafe`` per loop."""
+    """``(stream, output or exception)`` pairs to their loops: one ``call_soon_threadsafe`` per
+    loop, or at once for the loop running on this thread (the inline engine's: no wake-up)."""
     by_loop: dict = {}
     for item in items:
         by_loop.setdefault(item[0].loop, []).append(item)
+    here = asyncio._get_running_loop()
     for loop, its in by_loop.items():
-        if not loop.is_closed():
+        if loop is here:
+            _put_all(its)
+        elif not loop.is_closed():
             loop.call_soon_threadsafe(_put_all, its)
 
 

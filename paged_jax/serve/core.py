@@ -1,6 +1,7 @@
 """The engine core: the loop that owns an ``LLM`` and steps it while requests join and leave,
-the same code whether it runs on a thread of the server's process (``AsyncEngine``) or in
-a process of its own (``engine_process``). No asyncio and no HTTP here: commands come in
+the same code wherever it runs: on the server's asyncio loop between its callbacks
+(``InlineEngine``), on a thread of the server's process (``AsyncEngine``) or in a process of
+its own (``engine_process``). No asyncio and no HTTP here: commands come in
 (``("add", request_id, prompt_token_ids, params)``, ``("abort", request_id)``,
 ``("stop",)``), and one ``StepReport`` goes out per step (and per batch of commands that
 needed no step), holding everything the caller's side needs to deliver that step.
@@ -131,16 +132,27 @@ class EngineCore:
             self.dirty = True
         return self.report(failed=(error, ids))
 
+    def turn(self, commands) -> tuple[StepReport | None, bool]:
+        """Apply ``commands`` (those queued now), then step if there is work: the report to
+        send (None: nothing happened) and whether to go on (False after a stop, whose report
+        fails what is left with ``Overloaded``). One turn of ``run``; the server's inline
+        engine takes the turns on its asyncio loop instead."""
+        for command in commands:
+            if not self.apply(command):
+                return self._fail(Overloaded("the server shut down")), False
+        if self.has_work():
+            return self.step(), True
+        if self._applied:  # e.g. a refused add: the caller's counts still move on
+            return self.report(), True
+        return None, True
+
     def run(self, commands: Callable[[float], list], send: Callable[[StepReport], None]) -> None:
         """Step until a stop. ``commands(timeout)``: the commands queued now, waiting up to
         ``timeout`` seconds for one when there are none (0: do not wait); ``send(report)``
         hands a report to the caller's side."""
         while True:
-            for command in commands(0.0 if self.has_work() else IDLE_WAIT_S):
-                if not self.apply(command):
-                    send(self._fail(Overloaded("the server shut down")))
-                    return
-            if self.has_work():
-                send(self.step())
-            elif self._applied:  # e.g. a refused add: the caller's counts still move on
-                send(self.report())
+            report, go_on = self.turn(commands(0.0 if self.has_work() else IDLE_WAIT_S))
+            if report is not None:
+                send(report)
+            if not go_on:
+                return

@@ -1,6 +1,7 @@
-"""The engine core in a process of its own (the server's ``--engine-process``, as vLLM V1's
+"""The engine core in a process of its own (the server's ``--engine process``, as vLLM V1's
 EngineCore): the HTTP side's Python (parsing, routing, pydantic, tokenising, writing SSE
-chunks) no longer shares a GIL with the engine step.
+chunks) does not share a GIL with the engine step, and runs beside it rather than between
+steps, at the price of a pipe and two wake-ups per step on each streamed token's way.
 
 ``ProcessEngine(model, engine_kwargs)`` starts a child with multiprocessing's "spawn"
 context (JAX must not be forked once initialised), which builds ``LLM(model,

@@ -1,7 +1,7 @@
 """The OpenAI-compatible server with real clients on localhost: the official ``openai``
 package (sync and async) and httpx, against a server the test starts on 127.0.0.1 at a
 free port (uvicorn in a thread), with the engine core stepped on the server's loop
-("inline", the default) or on a thread ("thread"), both the ``LLM`` the test holds, or in
+("inline", ``build_app(llm)``'s default) or on a thread ("thread"), both the ``LLM`` the test holds, or in
 its own process ("process": an ``LLM`` built there from the same options). Outputs through the server equal ``LLM.generate`` / ``LLM.chat``; a dropped
 client leaves no block allocated; bad inputs get their 4xx in OpenAI's error shape. Every
 wait is bounded."""

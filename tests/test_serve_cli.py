@@ -1,8 +1,8 @@
 """``python -m paged_jax.serve`` as a user runs it: a subprocess on 127.0.0.1, LLM options
 on the command line, the openai client against it, and SIGTERM draining a stream in flight
 (it runs to its end, then the process exits by the signal, as uvicorn does, with no
-traceback), with the engine stepped on the server's loop (the default), in its own process
-(that process is gone too once the server exits) or on a thread. Slow: a fresh process loads
+traceback), with the engine in its own process (the default; that process is gone too once
+the server exits), stepped on the server's loop or on a thread. Slow: a fresh process loads
 and compiles."""
 
 import json

@@ -6,12 +6,12 @@ Every ``EngineArgs`` field is an option with dashes (``--max-num-seqs 32``,
 "ngram", "num_speculative_tokens": 4}'``): ints and floats as such, booleans as flags,
 dicts and policy arguments as JSON (else the string).
 
-Where the engine core runs (``--engine``, default ``inline``): ``inline`` steps it on the
-server's asyncio loop between the HTTP callbacks (``InlineEngine``: no hand-over between
-threads or processes on a streamed token's way); ``process`` in a process of its own
-(``ProcessEngine``: the HTTP side's Python runs beside the step, at a pipe and two wake-ups
-a step); ``thread`` on a thread of the server process (``AsyncEngine``, sharing its GIL).
-Measured: docs/results/notes/serving.md.
+Where the engine core runs (``--engine``): ``process`` (the default) in a process of its
+own (``ProcessEngine``: the HTTP side's Python runs beside the step, at a pipe and two
+wake-ups a step: the most served under load); ``inline`` on the server's asyncio loop
+between the HTTP callbacks (``InlineEngine``: no hand-over between threads or processes on
+a streamed token's way: the least added latency at low load); ``thread`` on a thread of the
+server process (``AsyncEngine``, sharing its GIL). Measured: docs/results/notes/serving.md.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import os
 import sys
 
 SWITCH_INTERVAL = 0.005  # Python's default
-ENGINES = ("inline", "process", "thread")  # where the engine core runs; the first is the default (measured:
+ENGINES = ("process", "inline", "thread")  # where the engine core runs; the first is the default (measured:
 # docs/results/notes/serving.md)
 _SERVER_ONLY = ("model", "mesh")  # not options: the positional model; a Mesh has no command-line form
 
@@ -58,15 +58,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
     p.add_argument("--max-waiting", type=int, default=512, help="queued requests beyond which new ones get 503")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--timeout-keep-alive", type=float, default=None,
+                   help="seconds an idle keep-alive connection stays open (default: server.KEEP_ALIVE_S, longer "
+                        "than the clients' own idle expiry)")
     p.add_argument("--no-warmup", action="store_true", help="do not compile the decode/prefill programs up front")
     p.add_argument("--switch-interval", type=float,
                    default=float(os.environ.get("PAGED_JAX_SWITCH_INTERVAL", SWITCH_INTERVAL)),
                    help="sys.setswitchinterval for the server process, s: how long the HTTP loop can wait "
                         "for the GIL while the engine thread holds it (Python's default is 0.005)")
     p.add_argument("--engine", choices=ENGINES, default=ENGINES[0],
-                   help="where the engine core runs: on the server's asyncio loop between the HTTP callbacks "
-                        "(inline), in a process of its own (process), or on a thread of the server process "
-                        "sharing its GIL (thread)")
+                   help="where the engine core runs: in a process of its own (process: the most served under "
+                        "load), on the server's asyncio loop between the HTTP callbacks (inline: the least added "
+                        "latency at low load), or on a thread of the server process sharing its GIL (thread)")
     engine = p.add_argument_group("engine (LLM / EngineArgs options)")
     for f in dataclasses.fields(EngineArgs):
         if f.name in _SERVER_ONLY:
@@ -92,6 +95,10 @@ def main(argv: list[str] | None = None) -> None:
     sys.setswitchinterval(args.switch_interval)
     app_kw = dict(log_level=args.log_level, model_name=args.served_model_name or args.model, api_key=args.api_key,
                   max_waiting=args.max_waiting)
+    if args.timeout_keep_alive is not None:
+        if not args.timeout_keep_alive > 0:
+            raise ValueError(f"--timeout-keep-alive {args.timeout_keep_alive}: must be > 0")
+        app_kw["timeout_keep_alive"] = args.timeout_keep_alive
     if args.engine == "process":
         from paged_jax.serve.engine_process import ProcessEngine
 

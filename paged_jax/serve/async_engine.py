@@ -4,7 +4,8 @@ other (continuous batching across clients).
 
 ``EngineClient`` is the caller's side, shared by the three places the core can run (the
 server's ``--engine``): ``InlineEngine`` takes the core's turns on the callers' own asyncio
-loop, between its other callbacks (the default: nothing crosses a thread or a process);
+loop, between its other callbacks (nothing crosses a thread or a process: the lowest
+latency per token at low load; ``build_app(llm)``'s default);
 ``AsyncEngine`` runs it on a thread of this process; ``engine_process.ProcessEngine`` in a
 process of its own, so the HTTP side's Python does not share a GIL with the engine step.
 Every way callers get each request's ``RequestOutput``s as its ``SamplingParams.output_kind``
@@ -309,17 +310,26 @@ class AsyncEngine(EngineClient):
 
 
 class InlineEngine(EngineClient):
-    """Serve an ``LLM`` from an engine core stepped on the server's own asyncio loop (the
-    CLI's default): a task takes the core's turns (``EngineCore.turn``: the commands queued,
-    then one step) and yields to the loop after each, so HTTP requests are read, submitted
-    and answered between two steps, as the other engines' requests join between steps.
-    Nothing crosses a thread or a process: a command is a deque append, a step's news is
-    put straight into its streams, and each SSE chunk is written by the same thread right
-    after the step, where the other placements pay a wake-up per hop (a pipe, the reader
-    thread, ``call_soon_threadsafe``) on each streamed token
+    """Serve an ``LLM`` from an engine core stepped on the server's own asyncio loop
+    (``build_app(llm)``'s default, the CLI's ``--engine inline``): a loop callback takes one of the core's turns (``EngineCore.turn``: the
+    commands queued, then one step) and, while there is work, schedules the next, so HTTP
+    requests are read, submitted and answered between two steps, as the other engines'
+    requests join between steps. Nothing crosses a thread or a process: a command is a deque
+    append, a step's news is put straight into its streams, and each SSE chunk is written by
+    the same thread right after the step, where the other placements pay a wake-up per hop (a
+    pipe, the reader thread, ``call_soon_threadsafe``) on each streamed token
     (``docs/results/notes/serving.md``). The price: the loop answers nothing during a step
-    (``/health`` and ``/metrics`` wait for its end), and the HTTP side's Python runs
-    between steps rather than beside them.
+    (``/health`` and ``/metrics`` wait for its end), and the HTTP side's Python (parsing,
+    tokenising, every stream's chunk) runs between steps rather than beside them: under load,
+    with long steps and large batches, the process placement overlaps that work with the
+    step and serves more (measured in the notes).
+
+    Each turn is scheduled as a timer due at once (``call_at(loop.time())``), not as a
+    ready callback: the loop runs due timers after the I/O callbacks of the same pass, so
+    a turn is the last thing of its pass and whatever arrived during the step is read
+    before any timer of the next pass fires. (As a task resumed from the ready queue, the
+    step ran before the timers of its pass: uvicorn's keep-alive timeout then closed a
+    connection whose next request had arrived during the step, and the client got a reset.)
 
     Args:
       llm: the engine, used only from the loop's thread once ``start`` is called (from the
@@ -333,21 +343,19 @@ class InlineEngine(EngineClient):
         self.core = EngineCore(llm)
         self._commands: collections.deque = collections.deque()  # appends and pops are thread-safe
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
+        self._armed = False  # a turn is scheduled (loop only)
         self._stopped = threading.Event()
 
     def start(self) -> InlineEngine:
-        """Start the core's task on the running loop (call it on that loop)."""
-        if self._task is None:
+        """Start taking turns on the running loop (call it on that loop)."""
+        if self._loop is None:
             self._loop = asyncio.get_running_loop()
-            self._wake = asyncio.Event()
-            self._task = self._loop.create_task(self._run(), name="paged_jax-engine")
+            self._arm()
         return self
 
     @property
     def alive(self) -> bool:
-        return self._task is not None and not self._task.done() and not self._closed
+        return self._loop is not None and not self._stopped.is_set() and not self._closed
 
     def _send(self, command) -> None:
         self._commands.append(command)
@@ -355,10 +363,10 @@ class InlineEngine(EngineClient):
         if loop is None:  # not started: the first turn takes it
             return
         if asyncio._get_running_loop() is loop:
-            self._wake.set()
+            self._arm()
         else:
             try:
-                loop.call_soon_threadsafe(self._wake.set)
+                loop.call_soon_threadsafe(self._arm)
             except RuntimeError:  # the loop is closed: nothing will answer
                 pass
 
@@ -367,26 +375,33 @@ class InlineEngine(EngineClient):
         the loop's thread, wait up to ``timeout`` seconds for it."""
         self.draining = True
         self._send(("stop",))
-        if self._task is not None and asyncio._get_running_loop() is not self._loop:
+        if self._loop is not None and asyncio._get_running_loop() is not self._loop:
             self._stopped.wait(timeout)
 
-    async def _run(self) -> None:
-        core, commands, wake = self.core, self._commands, self._wake
+    def _arm(self) -> None:
+        """Schedule a turn (at most one at a time)."""
+        if not self._armed and not self._stopped.is_set():
+            self._armed = True
+            self._loop.call_at(self._loop.time(), self._turn)
+
+    def _turn(self) -> None:
+        self._armed = False
+        commands = self._commands
         try:
-            while True:
-                if not commands and not core.has_work():
-                    wake.clear()
-                    await wake.wait()
-                batch = [commands.popleft() for _ in range(len(commands))]
-                report, go_on = core.turn(batch)
-                if report is not None:
-                    self._on_reports([report])
-                if not go_on:
-                    return
-                await asyncio.sleep(0)  # the loop's I/O and the consumers this step woke
-        finally:
-            self._close(Overloaded("the server shut down"))
-            self._stopped.set()
+            report, go_on = self.core.turn([commands.popleft() for _ in range(len(commands))])
+            if report is not None:
+                self._on_reports([report])
+        except BaseException:
+            self._finish()
+            raise
+        if not go_on:
+            self._finish()
+        elif commands or self.core.has_work():
+            self._arm()
+
+    def _finish(self) -> None:
+        self._stopped.set()
+        self._close(Overloaded("the server shut down"))
 
 
 class RequestStream:

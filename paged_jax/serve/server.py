@@ -17,6 +17,15 @@ import uvicorn
 
 from paged_jax.serve.app import build_app
 
+# How long an idle keep-alive connection stays open, s: longer than the clients' own idle
+# expiry (aiohttp 15 s, httpx and so the openai package 5 s), so that a client never reuses
+# a connection the server is closing at that moment (the client's request then meets a
+# reset). uvicorn's default, 5 s, raced aiohttp's pool: 2 of 128 requests reset at 1 req/s
+# with the inline engine, whose keep-alive closes leave right after a step's burst of SSE
+# chunks, while the client is busy reading them (docs/results/notes/serving.md). nginx's
+# default.
+KEEP_ALIVE_S = 75.0
+
 
 class _Server(uvicorn.Server):
     """uvicorn's server, telling the engine to drain when a signal asks it to exit."""
@@ -30,10 +39,12 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve(llm=None, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info", **app_kw) -> None:
+def serve(llm=None, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
+          timeout_keep_alive: float = KEEP_ALIVE_S, **app_kw) -> None:
     """Serve ``llm`` (or ``engine=``, ``build_app``'s keywords pass through) until SIGTERM/SIGINT."""
     app = build_app(llm, **app_kw)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=60)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=60,
+                            timeout_keep_alive=timeout_keep_alive)
     _Server(config, app.state.engine).run()
 
 
@@ -60,7 +71,8 @@ class RunningServer:
         self.stop()
 
 
-def start_in_thread(llm=None, *, timeout: float = 30.0, log_level: str = "warning", **app_kw) -> RunningServer:
+def start_in_thread(llm=None, *, timeout: float = 30.0, log_level: str = "warning",
+                    timeout_keep_alive: float = KEEP_ALIVE_S, **app_kw) -> RunningServer:
     """Start a server for ``llm`` (or ``engine=``: ``build_app``'s keywords pass through) on 127.0.0.1 at a free port (the socket is bound here, so
     no other process can take the port in between); returns once it accepts connections
     (TimeoutError after ``timeout`` seconds)."""
@@ -69,7 +81,8 @@ def start_in_thread(llm=None, *, timeout: float = 30.0, log_level: str = "warnin
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=30)
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=30,
+                            timeout_keep_alive=timeout_keep_alive)
     server = _Server(config, app.state.engine)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="paged_jax-http", daemon=True)
     thread.start()

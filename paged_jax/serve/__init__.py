@@ -14,12 +14,12 @@
 
 from paged_jax.serve.app import build_app
 from paged_jax.serve.async_engine import (
-                                          AsyncEngine,
-                                          EngineClient,
-                                          EngineError,
-                                          InlineEngine,
-                                          Overloaded,
-                                          RequestStream,
+    AsyncEngine,
+    EngineClient,
+    EngineError,
+    InlineEngine,
+    Overloaded,
+    RequestStream,
 )
 from paged_jax.serve.engine_process import ProcessEngine
 from paged_jax.serve.server import RunningServer, serve, start_in_thread

@@ -90,3 +90,15 @@ def test_cli_serves_the_openai_client_and_sigterm_drains(engine):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+
+def test_cli_options_engine_and_keep_alive():
+    """``--engine`` takes the three placements (process by default); a bad one, or a
+    keep-alive that is not > 0, is refused before anything is built."""
+    from paged_jax.serve.__main__ import ENGINES, main, parser
+
+    assert parser().parse_args([TEXT]).engine == "process" and set(ENGINES) == {"process", "inline", "thread"}
+    with pytest.raises(SystemExit):
+        parser().parse_args([TEXT, "--engine", "fork"])
+    with pytest.raises(ValueError, match="--timeout-keep-alive 0.0: must be > 0"):
+        main([TEXT, "--timeout-keep-alive", "0"])

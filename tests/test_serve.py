@@ -22,7 +22,7 @@ httpx = pytest.importorskip("httpx")
 from engine_fakes import fake_backend  # noqa: E402
 
 from paged_jax import LLM, SamplingParams  # noqa: E402
-from paged_jax.serve import AsyncEngine, ProcessEngine, start_in_thread  # noqa: E402
+from paged_jax.serve import AsyncEngine, InlineEngine, ProcessEngine, start_in_thread  # noqa: E402
 
 TEXT = os.path.join(os.path.dirname(__file__), "fixtures", "llama_text")
 KW = dict(block_size=8, num_gpu_blocks=96, max_num_seqs=8, max_model_len=96, max_num_batched_tokens=64)
@@ -322,6 +322,15 @@ def test_requests_are_answered_between_the_steps_of_a_long_stream(served):
     assert short["choices"][0]["text"] == want[0]
     assert len(rest) > 10 and rest[-1] == "data: [DONE]"  # still running (an engine holding the loop: 1-2 merged)
     _assert_idle(llm, server)
+
+
+def test_the_inline_engine_runs_on_asyncios_own_loop(served):
+    """Its turns are timers due at once; under uvloop (uvicorn's "auto" where installed) that
+    made libuv take one new connection per step (server._event_loop)."""
+    _, server, _ = served
+    if not isinstance(server.engine, InlineEngine):
+        pytest.skip("the inline engine only")
+    assert type(server.engine._loop).__module__.startswith("asyncio"), type(server.engine._loop)
 
 
 def test_a_dropped_client_frees_its_blocks(served):

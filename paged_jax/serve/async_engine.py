@@ -320,9 +320,10 @@ class InlineEngine(EngineClient):
     pipe, the reader thread, ``call_soon_threadsafe``) on each streamed token
     (``docs/results/notes/serving.md``). The price: the loop answers nothing during a step
     (``/health`` and ``/metrics`` wait for its end), and the HTTP side's Python (parsing,
-    tokenising, every stream's chunk) runs between steps rather than beside them: under load,
-    with long steps and large batches, the process placement overlaps that work with the
-    step and serves more (measured in the notes).
+    tokenising, every stream's chunk) runs between steps rather than beside them (under load
+    on the real model the two placements served about the same, measured in the notes). The
+    server runs it on asyncio's own loop (``server._event_loop``: under uvloop each timer
+    turn let libuv take one new connection).
 
     Each turn is scheduled as a timer due at once (``call_at(loop.time())``), not as a
     ready callback: the loop runs due timers after the I/O callbacks of the same pass, so

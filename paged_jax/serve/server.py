@@ -16,6 +16,7 @@ import time
 import uvicorn
 
 from paged_jax.serve.app import build_app
+from paged_jax.serve.async_engine import InlineEngine
 
 # How long an idle keep-alive connection stays open, s: longer than the clients' own idle
 # expiry (aiohttp 15 s, httpx and so the openai package 5 s), so that a client never reuses
@@ -25,6 +26,16 @@ from paged_jax.serve.app import build_app
 # chunks, while the client is busy reading them (docs/results/notes/serving.md). nginx's
 # default.
 KEEP_ALIVE_S = 75.0
+
+
+def _event_loop(engine) -> str:
+    """uvicorn's ``loop`` for ``engine``: asyncio's own loop for the inline engine, whose turns
+    are timers due at once. Under uvloop (what uvicorn's "auto" picks where it is installed)
+    each such timer made libuv take one new connection per loop iteration, i.e. one request
+    per engine step: 10 connections 50 ms apart were read over 1.8 s behind 0.2 s steps, in
+    batches over 0.4 s on asyncio's loop, and under load the inline server admitted one
+    request per step (docs/results/notes/serving.md). Other engines: uvicorn's default."""
+    return "asyncio" if isinstance(engine, InlineEngine) else "auto"
 
 
 class _Server(uvicorn.Server):
@@ -44,7 +55,7 @@ def serve(llm=None, host: str = "127.0.0.1", port: int = 8000, *, log_level: str
     """Serve ``llm`` (or ``engine=``, ``build_app``'s keywords pass through) until SIGTERM/SIGINT."""
     app = build_app(llm, **app_kw)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=60,
-                            timeout_keep_alive=timeout_keep_alive)
+                            timeout_keep_alive=timeout_keep_alive, loop=_event_loop(app.state.engine))
     _Server(config, app.state.engine).run()
 
 
@@ -82,7 +93,7 @@ def start_in_thread(llm=None, *, timeout: float = 30.0, log_level: str = "warnin
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=30,
-                            timeout_keep_alive=timeout_keep_alive)
+                            timeout_keep_alive=timeout_keep_alive, loop=_event_loop(app.state.engine))
     server = _Server(config, app.state.engine)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="paged_jax-http", daemon=True)
     thread.start()

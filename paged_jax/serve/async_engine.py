@@ -328,9 +328,10 @@ class InlineEngine(EngineClient):
     Each turn is scheduled as a timer due at once (``call_at(loop.time())``), not as a
     ready callback: the loop runs due timers after the I/O callbacks of the same pass, so
     a turn is the last thing of its pass and whatever arrived during the step is read
-    before any timer of the next pass fires. (As a task resumed from the ready queue, the
-    step ran before the timers of its pass: uvicorn's keep-alive timeout then closed a
-    connection whose next request had arrived during the step, and the client got a reset.)
+    before any timer of the next pass fires (on asyncio's loop; uvloop orders its phases
+    otherwise). As a task resumed from the ready queue, the step ran before the timers of its
+    pass, so a keep-alive timeout could close a connection whose next request arrived during
+    the step; the resets measured with aiohttp went away with ``server.KEEP_ALIVE_S``.
 
     Args:
       llm: the engine, used only from the loop's thread once ``start`` is called (from the

@@ -555,6 +555,8 @@ def claim_evidence(result: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from paged_jax.serve.__main__ import ENGINES  # the server's placements, its default first
+
     p = argparse.ArgumentParser(prog="python -m experiments serving", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="8 prompts, rates 1 and 8 (a smoke run)")
     p.add_argument("--out", default="out")
@@ -576,8 +578,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--vllm-bench-rates", type=float, nargs="*", default=None,
                    help="rates at which vLLM's own client also runs against our server (default: 1 and the "
                         "highest rate; none with --quick); needs the vLLM side venv")
-    p.add_argument("--engine", choices=("inline", "process", "thread"), default=None,
-                   help="where our server's engine core runs (its --engine; default: the server's default)")
+    p.add_argument("--engine", choices=ENGINES, default=ENGINES[0],
+                   help="where our server's engine core runs (its --engine)")
     p.add_argument("--overhead-only", action="store_true",
                    help="only the paired per-request overhead on --overhead-model (its own server; no rates, "
                         "no vLLM): the A/B measurement of server changes; JSON serving_overhead.json")
@@ -703,7 +705,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": machine_info(),
         "config": {"model": _shown(args.model), "quick": quick, "num_prompts": num, "rates": rates,
                    "burstiness": args.burstiness, "slo_ttft_s": slo[0], "slo_tpot_s": slo[1],
-                   "engine_options": options,
+                   "engine_options": options, "server_engine": args.engine,
                    "output_tokens": [m for _, m in requests], "client": CLIENT},
         "ours": strip(ours),
         "vllm": {**vllm, "by_rate": strip(vllm["by_rate"])} if vllm["ran"] else vllm,
@@ -729,7 +731,7 @@ def overhead_only(args) -> dict:
     options = engine_options(quick)
     repeats = args.overhead_repeats or (1 if quick else 3)
     baseline = engine_alone(args.overhead_model, options, requests)
-    mode = args.engine or "default"
+    mode = args.engine
     print(f"paged_jax server ({mode} engine) on {_shown(args.overhead_model)}: {num} prompts x {repeats}, outputs "
           f"{min(m for _, m in requests)}-{max(m for _, m in requests)} tokens")
     got = sweep(ours_command(args.overhead_model, _free_port(), options, args.engine), [], requests, 1.0,

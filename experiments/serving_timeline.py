@@ -260,12 +260,14 @@ def run(model: str, num: int, repeats: int, pin: bool, engine: str | None = None
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from paged_jax.serve.__main__ import ENGINES  # the server's placements, its default first
+
     p = argparse.ArgumentParser(prog="python -m experiments serving_timeline", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=FIXTURE)
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--engine", choices=("inline", "process", "thread"), default=None,
-                   help="where the server's engine core runs (its --engine; default: the server's default)")
+    p.add_argument("--engine", choices=ENGINES, default=ENGINES[0],
+                   help="where the server's engine core runs (its --engine)")
     p.add_argument("--pin", action="store_true",
                    help="engine process on CPU 0, HTTP process and client on CPU 1 (with --engine process)")
     p.add_argument("--quick", action="store_true", help="4 prompts, once")
@@ -280,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict:
     print("wake-up round trip between two processes (µs p50): "
           + ", ".join(f"{k.split('_')[1]} idle {v:.0f}" for k, v in wake.items()))
     got = run(args.model, num, repeats, args.pin, args.engine)
-    print(f"{args.engine or 'default'} engine, one request at a time, {got['requests']} requests, "
+    print(f"{args.engine} engine, one request at a time, {got['requests']} requests, "
           f"{got['sse_events_per_request_p50']:.0f} SSE events p50"
           f"{' (pinned)' if args.pin else ''}:")
     for k in PHASES:
@@ -289,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"  {k:22s} p50 {v50:7.3f} ms  p90 {v90:7.3f} ms")
     result = {"study": "serving_timeline", "machine": machine_info(),
               "config": {"model": S._shown(args.model), "num_prompts": num, "repeats": repeats, "pin": args.pin,
-                         "engine": args.engine or "default",
+                         "engine": args.engine,
                          "engine_options": S.engine_options(True), "client": S.CLIENT},
               "wake_latency": wake, **got,
               "headline": {"e2e_ms_p50": got["ms_p50"]["e2e"], "step_ms_p50": got["ms_p50"]["step"],

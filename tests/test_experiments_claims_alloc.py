@@ -131,7 +131,9 @@ def test_small_kv_study(tmp_path, monkeypatch):
     assert h["waste_per_10_token_prompt_bs16"] == h["waste_per_10_token_prompt_bs8"] == 6 / 16
     assert h["waste_per_10_token_prompt_bs64"] == 54 / 64
     assert 0 < h["crossover_kv_bytes_per_token_memory"] < 1  # the table is tiny next to a reservation
-    assert h["paged_step_overhead_tiny_kv"] > -1 and 0 < h["block_mgmt_share_tiny_kv"] < 1
+    # Block management is its own program, timed beside the paged step rather than inside it, so
+    # on a loaded machine its share of the step can pass 1 (CI saw 2.08 at reps=2): a time, not a bound.
+    assert h["paged_step_overhead_tiny_kv"] > -1 and 0 < h["block_mgmt_share_tiny_kv"] < float("inf")
     assert h["paged_over_static_tokens_per_s_tight"] > 0 and h["paged_over_static_tokens_per_s_loose"] is None
     assert [r["kv_bytes_per_token"] for r in saved["kv_sweep"]] == [128]
     assert saved["engine_outputs_identical"]

@@ -49,7 +49,7 @@ def test_a_request_the_server_never_logged_is_left_out():
 
 @pytest.mark.slow
 def test_quick_run_logs_both_server_processes(tmp_path):
-    result = T.main(["--quick", "--out", str(tmp_path)])
+    result = T.main(["--quick", "--engine", "process", "--out", str(tmp_path)])
     assert result["requests"] == 4
     ms = result["ms_p50"]
     assert all(ms[k] is not None and ms[k] > 0 for k in T.PHASES), ms

@@ -1,8 +1,8 @@
 """``python -m paged_jax.serve`` as a user runs it: a subprocess on 127.0.0.1, LLM options
 on the command line, the openai client against it, and SIGTERM draining a stream in flight
 (it runs to its end, then the process exits by the signal, as uvicorn does, with no
-traceback), with the engine in its own process (the default; that process is gone too once
-the server exits), stepped on the server's loop or on a thread. Slow: a fresh process loads
+traceback), with the engine stepped on the server's loop (the default), in its own process
+(that process is gone too once the server exits) or on a thread. Slow: a fresh process loads
 and compiles."""
 
 import json
@@ -93,11 +93,11 @@ def test_cli_serves_the_openai_client_and_sigterm_drains(engine):
 
 
 def test_cli_options_engine_and_keep_alive():
-    """``--engine`` takes the three placements (process by default); a bad one, or a
+    """``--engine`` takes the three placements (inline by default); a bad one, or a
     keep-alive that is not > 0, is refused before anything is built."""
     from paged_jax.serve.__main__ import ENGINES, main, parser
 
-    assert parser().parse_args([TEXT]).engine == "process" and set(ENGINES) == {"process", "inline", "thread"}
+    assert parser().parse_args([TEXT]).engine == "inline" and set(ENGINES) == {"process", "inline", "thread"}
     with pytest.raises(SystemExit):
         parser().parse_args([TEXT, "--engine", "fork"])
     with pytest.raises(ValueError, match="--timeout-keep-alive 0.0: must be > 0"):

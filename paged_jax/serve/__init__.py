@@ -4,9 +4,9 @@
 - ``core``: the engine core, the loop stepping the offline engine while HTTP requests join
   and leave between steps (continuous batching across clients), abort, engine errors;
   ``async_engine``: the asyncio callers' side of it (back-pressure, drain, delivery), the
-  core stepped on the server's own loop (``InlineEngine``, ``build_app(llm)``'s default) and
-  on a thread (``AsyncEngine``); ``engine_process``: the core in a process of its own
-  (``ProcessEngine``, the CLI's default);
+  core stepped on the server's own loop (``InlineEngine``, the default of ``build_app(llm)``
+  and of the CLI) and on a thread (``AsyncEngine``); ``engine_process``: the core in a process
+  of its own (``ProcessEngine``, ``--engine process``);
 - ``app``: the routes (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
   ``/health``, ``/metrics``, ``/tokenize``, ``/detokenize``); ``protocol``: the wire format;
   ``metrics``: Prometheus;

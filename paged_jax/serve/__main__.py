@@ -6,11 +6,11 @@ Every ``EngineArgs`` field is an option with dashes (``--max-num-seqs 32``,
 "ngram", "num_speculative_tokens": 4}'``): ints and floats as such, booleans as flags,
 dicts and policy arguments as JSON (else the string).
 
-Where the engine core runs (``--engine``): ``process`` (the default) in a process of its
-own (``ProcessEngine``: the HTTP side's Python runs beside the step, at a pipe and two
-wake-ups a step); ``inline`` on the server's asyncio loop between the HTTP callbacks
-(``InlineEngine``: no hand-over between threads or processes on a streamed token's way: the
-least added latency at low load, about the same throughput under load); ``thread`` on a thread of the
+Where the engine core runs (``--engine``): ``inline`` (the default) on the server's asyncio
+loop between the HTTP callbacks (``InlineEngine``: no hand-over between threads or processes
+on a streamed token's way: the least added latency at low load, about the same throughput
+under load); ``process`` in a process of its own (``ProcessEngine``: the HTTP side's Python
+runs beside the step, at a pipe and two wake-ups a step); ``thread`` on a thread of the
 server process (``AsyncEngine``, sharing its GIL). Measured: docs/results/notes/serving.md.
 """
 
@@ -23,7 +23,7 @@ import os
 import sys
 
 SWITCH_INTERVAL = 0.005  # Python's default
-ENGINES = ("process", "inline", "thread")  # where the engine core runs; the first is the default (measured:
+ENGINES = ("inline", "process", "thread")  # where the engine core runs; the first is the default (measured:
 # docs/results/notes/serving.md)
 _SERVER_ONLY = ("model", "mesh")  # not options: the positional model; a Mesh has no command-line form
 
@@ -67,9 +67,9 @@ def parser() -> argparse.ArgumentParser:
                    help="sys.setswitchinterval for the server process, s: how long the HTTP loop can wait "
                         "for the GIL while the engine thread holds it (Python's default is 0.005)")
     p.add_argument("--engine", choices=ENGINES, default=ENGINES[0],
-                   help="where the engine core runs: in a process of its own (process), on the server's asyncio "
-                        "loop between the HTTP callbacks (inline: the least added latency at low load), or on a "
-                        "thread of the server process sharing its GIL (thread)")
+                   help="where the engine core runs: on the server's asyncio loop between the HTTP callbacks "
+                        "(inline: the least added latency at low load), in a process of its own (process), or on "
+                        "a thread of the server process sharing its GIL (thread)")
     engine = p.add_argument_group("engine (LLM / EngineArgs options)")
     for f in dataclasses.fields(EngineArgs):
         if f.name in _SERVER_ONLY:

@@ -226,11 +226,11 @@ def _shown(model: str) -> str:
     return model.replace(os.path.expanduser("~"), "~") if rel.startswith("..") else rel
 
 
-def engine_options(quick: bool) -> dict:
+def engine_options(quick: bool, layer_loop: str = "scan") -> dict:
     """The LLM options both servers and the engine-only baseline run with (block size 32:
-    vLLM's CPU attention takes multiples of 32 only)."""
+    vLLM's CPU attention takes multiples of 32 only); ``layer_loop`` is ours alone."""
     return dict(block_size=32, num_gpu_blocks=128 if quick else 512, max_num_seqs=16 if quick else 64,
-                max_model_len=256, dtype="float32", enable_prefix_caching=False)
+                max_model_len=256, dtype="float32", enable_prefix_caching=False, layer_loop=layer_loop)
 
 
 def ours_command(model: str, port: int, options: dict, engine: str | None = None) -> list[str]:
@@ -580,6 +580,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "highest rate; none with --quick); needs the vLLM side venv")
     p.add_argument("--engine", choices=ENGINES, default=ENGINES[0],
                    help="where our server's engine core runs (its --engine)")
+    p.add_argument("--layer-loop", choices=("scan", "unrolled"), default="scan",
+                   help="our engine's layer_loop (unrolled: faster fp32 steps, longer compiles)")
     p.add_argument("--overhead-only", action="store_true",
                    help="only the paired per-request overhead on --overhead-model (its own server; no rates, "
                         "no vLLM): the A/B measurement of server changes; JSON serving_overhead.json")
@@ -592,7 +594,7 @@ def main(argv: list[str] | None = None) -> dict:
         rates = [1.0, *rates]
     num = args.num_prompts or (8 if quick else 64)
     requests = workload(args.model, num, args.min_out, args.max_out or (16 if quick else 64))
-    options = engine_options(quick)
+    options = engine_options(quick, args.layer_loop)
     slo = (args.slo_ttft, args.slo_tpot)
     print(f"serving: {num} prompts, outputs {min(m for _, m in requests)}-{max(m for _, m in requests)} tokens, "
           f"burstiness {args.burstiness}, rates {rates}")
@@ -728,7 +730,7 @@ def overhead_only(args) -> dict:
     quick = args.quick
     num = args.num_prompts or (8 if quick else 16)
     requests = workload(args.overhead_model, num, args.min_out, args.max_out or (16 if quick else 64))
-    options = engine_options(quick)
+    options = engine_options(quick, args.layer_loop)
     repeats = args.overhead_repeats or (1 if quick else 3)
     baseline = engine_alone(args.overhead_model, options, requests)
     mode = args.engine

@@ -101,6 +101,10 @@ def build_backend(model_spec, *, block_size: int, kv_cache_dtype: str, attention
 
     config = model_spec.architecture
     params, name = _weights(model_spec, config, model_spec.seed)
+    if model_spec.layer_loop == "unrolled":  # EngineArgs refuses it with a mesh
+        from paged_jax.model.llama import unstack_layers
+
+        params, name = unstack_layers(params, config.jnp_dtype), f"{name}, layers unrolled"
     if mesh is not None:
         from paged_jax.parallel.backend import shard_model, sharded_init
 

@@ -93,6 +93,21 @@ def test_unknown_peer_is_refused():
 
 
 @pytest.mark.slow
+def test_layer_loop_quick(tmp_path):
+    """Scan and unrolled on the same model, timed in turn: every row count and the first
+    calls reported, the headline the JSON's (a timing: no bound on the ratio itself)."""
+    from experiments import layer_loop
+
+    got = layer_loop.main(["--quick", "--reps", "1", "--rounds", "1", "--out", str(tmp_path)])
+    assert [r["rows"] for r in got["by_dtype"]["float32"]] == [1, 8]
+    for row in got["by_dtype"]["float32"]:
+        assert row["scan_ms"] > 0 and row["unrolled_ms"] > 0 and row["unrolled_first_call_s"] > 0
+    assert set(got["headline"]) == {"float32_unrolled_over_scan_1_rows", "float32_unrolled_over_scan_8_rows",
+                                    "float32_first_call_unrolled_over_scan"}
+    assert json.loads((tmp_path / "layer_loop.json").read_text())["headline"] == got["headline"]
+
+
+@pytest.mark.slow
 def test_step_profile_quick(tmp_path):
     from experiments import step_profile
 

@@ -154,6 +154,48 @@ def pack_params(params):
     return jax.tree_util.tree_map_with_path(pack, params)
 
 
+@jax.tree_util.register_pytree_node_class
+class PerLayer:
+    """One stacked layer parameter held as ``num_layers`` separate arrays (``unstack_layers``).
+
+    Under the layer scan each step slices every stacked weight per layer, and XLA:CPU
+    materialises each slice (a copy of all the weights per step, ~30% of the matmul time at
+    1-8 rows, docs/results/notes/serving.md); separate arrays are read where they lie. A
+    pytree node, so jit, donation and ``device_put`` see the arrays."""
+
+    def __init__(self, arrays):
+        self.arrays = tuple(arrays)
+
+    def tree_flatten(self):
+        return self.arrays, None
+
+    @classmethod
+    def tree_unflatten(cls, _, arrays):
+        return cls(arrays)
+
+
+def _is_per_layer(x) -> bool:
+    return isinstance(x, PerLayer)
+
+
+def _is_unstacked(layer_params) -> bool:
+    leaves = jax.tree.leaves(layer_params, is_leaf=_is_per_layer)
+    return bool(leaves) and all(map(_is_per_layer, leaves))
+
+
+def unstack_layers(params, dtype):
+    """``params`` (``nnx.split``'s state, packed or not) with every stacked layer leaf as a
+    ``PerLayer`` of its ``num_layers`` slices (copied once, here; 16-bit ones back from
+    their bits to ``dtype``, as nothing slices them any more): the model then runs its
+    layers as an unrolled loop (``layer_loop="unrolled"``: faster fp32 steps, a longer
+    compile per shape)."""
+    def unstack(path, x):
+        first = getattr(path[0], "key", getattr(path[0], "name", None)) if path else None
+        return PerLayer(from_bits(x[i], dtype) for i in range(x.shape[0])) if first == "layers" else x
+
+    return jax.tree_util.tree_map_with_path(unstack, params)
+
+
 def from_bits(x: jax.Array, dtype) -> jax.Array:
     """uint16 bits (``as_bits``) back to the 16-bit float ``dtype``; anything else unchanged."""
     if x.dtype == jnp.uint16 and jnp.dtype(dtype).itemsize == 2:
@@ -317,6 +359,11 @@ class LlamaForCausalLM(nnx.Module):
         layer_def, layer_params = nnx.split(self.layers)
 
         dtype = self.config.jnp_dtype
+        if _is_unstacked(layer_params):  # one array per layer (``unstack_layers``): no slices to copy
+            for i in range(self.config.num_layers):
+                params = jax.tree.map(lambda p: from_bits(p.arrays[i], dtype), layer_params, is_leaf=_is_per_layer)
+                x, kv = nnx.merge(layer_def, params)(x, positions, rope, kv, jnp.int32(i), attend)
+            return self.norm(x), kv
 
         def one_layer(carry, per_layer):
             x, kv = carry

@@ -226,7 +226,7 @@ def _shown(model: str) -> str:
     return model.replace(os.path.expanduser("~"), "~") if rel.startswith("..") else rel
 
 
-def engine_options(quick: bool, layer_loop: str = "scan") -> dict:
+def engine_options(quick: bool, layer_loop: str = "auto") -> dict:
     """The LLM options both servers and the engine-only baseline run with (block size 32:
     vLLM's CPU attention takes multiples of 32 only); ``layer_loop`` is ours alone."""
     return dict(block_size=32, num_gpu_blocks=128 if quick else 512, max_num_seqs=16 if quick else 64,
@@ -555,6 +555,7 @@ def claim_evidence(result: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from paged_jax.engine.config import LAYER_LOOP_CHOICES
     from paged_jax.serve.__main__ import ENGINES  # the server's placements, its default first
 
     p = argparse.ArgumentParser(prog="python -m experiments serving", description=__doc__.split("\n")[0])
@@ -580,8 +581,9 @@ def main(argv: list[str] | None = None) -> dict:
                         "highest rate; none with --quick); needs the vLLM side venv")
     p.add_argument("--engine", choices=ENGINES, default=ENGINES[0],
                    help="where our server's engine core runs (its --engine)")
-    p.add_argument("--layer-loop", choices=("scan", "unrolled"), default="scan",
-                   help="our engine's layer_loop (unrolled: faster fp32 steps, longer compiles)")
+    p.add_argument("--layer-loop", choices=LAYER_LOOP_CHOICES, default="auto",
+                   help="our engine's layer_loop (auto: unrolled on one CPU device, faster fp32 steps at "
+                        "a longer compile; scan: one layer body)")
     p.add_argument("--overhead-only", action="store_true",
                    help="only the paired per-request overhead on --overhead-model (its own server; no rates, "
                         "no vLLM): the A/B measurement of server changes; JSON serving_overhead.json")

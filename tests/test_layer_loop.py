@@ -4,6 +4,7 @@ Same model, so: the same logits as the scan for every registered family (fp32 ti
 loose), the same engine outputs request for request, one compile per bucket, and the
 combinations it cannot run refused before any weight is read."""
 
+import logging
 import os
 
 import jax
@@ -12,7 +13,8 @@ import numpy as np
 import pytest
 from engine_fakes import assert_drained, fake_backend
 
-from paged_jax.engine import LLM, SamplingParams
+from paged_jax.engine import LLM, EngineArgs, SamplingParams
+from paged_jax.engine.config import auto_layer_loop
 from paged_jax.model import FAMILIES, ModelConfig, dense_forward, init_params
 from paged_jax.model.llama import PerLayer, pack_params, unstack_layers
 
@@ -76,7 +78,7 @@ def test_the_engine_gives_the_same_outputs_and_compiles_once_per_bucket(pressure
     assert again[0].outputs[0].token_ids and llm.stats()["traces"] == traces
 
 def test_what_it_cannot_run_is_refused_before_loading():
-    with pytest.raises(ValueError, match=r"layer_loop='stacked': unknown; choose one of \['scan', 'unrolled'\]"):
+    with pytest.raises(ValueError, match=r"layer_loop='stacked': unknown; choose one of \['auto', 'scan', 'unrolled'\]"):
         LLM(TEXT, layer_loop="stacked")
     with pytest.raises(ValueError, match="layer_loop='unrolled' .* not with a ModelBackend"):
         LLM(fake_backend(4), layer_loop="unrolled")
@@ -88,7 +90,7 @@ def test_a_draft_model_beside_an_unrolled_target_gives_the_plain_outputs():
     kw = dict(dtype="float32", block_size=8, max_num_seqs=4, max_model_len=96, debug_checks=True)
     prompts = [{"prompt_token_ids": list(range(5 + i, 25 + 2 * i))} for i in range(3)]
     greedy = SamplingParams(temperature=0, max_tokens=12)
-    plain_llm = LLM(TEXT, **kw)
+    plain_llm = LLM(TEXT, layer_loop="scan", **kw)
     plain = plain_llm.generate(prompts, greedy, use_tqdm=False)
     draft = ModelConfig(vocab_size=plain_llm.config.model.vocab_size, hidden_size=32, intermediate_size=64,
                         num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=2048)
@@ -98,3 +100,24 @@ def test_a_draft_model_beside_an_unrolled_target_gives_the_plain_outputs():
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
     assert llm.stats()["spec_rounds"] > 0
     assert_drained(llm)
+
+
+def test_auto_unrolls_on_one_cpu_device_only():
+    assert auto_layer_loop("cpu", sharded=False)[0] == "unrolled"
+    assert auto_layer_loop("cpu", sharded=True)[0] == "scan"
+    assert auto_layer_loop("gpu", sharded=False)[0] == "scan"
+    assert auto_layer_loop("tpu", sharded=False)[0] == "scan"
+
+
+def test_the_default_is_auto_resolved_where_the_model_is_built(caplog):
+    """The suite runs on CPU with one device: the default unrolls, and says so; a
+    ModelBackend (its own step) takes the default without a refusal; the scan stays one
+    argument away."""
+    with caplog.at_level(logging.INFO, logger="paged_jax"):
+        llm = LLM(TEXT, dtype="float32", max_num_seqs=2, max_model_len=64)
+    assert EngineArgs(model=TEXT).layer_loop == "auto"
+    assert llm.config.model.layer_loop == "unrolled" and "layers unrolled" in llm.engine.runner.backend.name
+    assert "layer_loop='auto': unrolled" in caplog.text
+    assert LLM(fake_backend(4)).config.model.layer_loop == "scan"
+    scan = LLM(TEXT, dtype="float32", max_num_seqs=2, max_model_len=64, layer_loop="scan")
+    assert scan.config.model.layer_loop == "scan" and "layers unrolled" not in scan.engine.runner.backend.name

@@ -76,10 +76,13 @@ def test_dtype_auto_is_the_checkpoint_dtype(tmp_path):
     llm = LLM(LLAMA, num_gpu_blocks=8, max_num_seqs=1)
     leaves = jax.tree.leaves(llm.backend.params)
     assert {leaf.dtype for leaf in leaves} == {np.dtype("float32")}
-    bf16 = LLM(LLAMA, num_gpu_blocks=8, max_num_seqs=1, dtype="bfloat16")
+    bf16 = LLM(LLAMA, num_gpu_blocks=8, max_num_seqs=1, dtype="bfloat16", layer_loop="scan")
     # bf16 weights; the stacked layers' held as their uint16 bits (model.llama.pack_params)
     assert {leaf.dtype for leaf in jax.tree.leaves(bf16.backend.params)} == {np.dtype(jax.numpy.bfloat16),
                                                                               np.dtype("uint16")}
+    # unrolled (the CPU default), each layer's weights are bf16 arrays of their own
+    unrolled = LLM(LLAMA, num_gpu_blocks=8, max_num_seqs=1, dtype="bfloat16")
+    assert {leaf.dtype for leaf in jax.tree.leaves(unrolled.backend.params)} == {np.dtype(jax.numpy.bfloat16)}
     assert bf16.config.model.architecture.dtype == "bfloat16"
 
 

@@ -34,6 +34,7 @@ from paged_jax.engine.speculative import SpeculativeConfig
 
 KV_CACHE_MODES = ("paged", "static")
 LAYER_LOOPS = ("scan", "unrolled")  # how the decoder layers run (``LlamaForCausalLM.__call__``)
+LAYER_LOOP_CHOICES = ("auto",) + LAYER_LOOPS  # "auto": ``auto_layer_loop``
 PREEMPTION_MODES = ("recompute", "swap")
 BATCH_LAYOUTS = ("packed", "padded")
 # vLLM's order of magnitude: a batch of prompts prefills in a step or two, so a first call
@@ -75,7 +76,7 @@ class ModelSpec:
       max_model_len: prompt + output tokens per sequence.
       vocab_size: V.
       draft: the draft model's ``ModelSpec`` (speculative method "draft_model"), or None.
-      layer_loop: "scan" or "unrolled" (``EngineArgs.layer_loop``).
+      layer_loop: "scan" or "unrolled" (``EngineArgs.layer_loop``, "auto" resolved).
     """
 
     source: Any
@@ -291,7 +292,9 @@ class EngineArgs:
         per-layer weight arrays: XLA:CPU copies each layer's weights out of the stack under
         the scan, so unrolled steps are faster at small batches, 2026-12-07 on SmolLM2-135M
         fp32: 47 -> 34 ms at 2 rows, 64 -> 48 ms at 8; compiles ~2-3x longer per shape).
-        One device only (not with tensor or data parallelism) and not with a ModelBackend.
+        "unrolled" runs one device's own model: not with tensor or data parallelism, nor
+        a ModelBackend. "auto" (default): ``auto_layer_loop``, unrolled where it can run on
+        CPU, else the scan (logged).
       dtype: parameter and compute dtype, and the KV dtype unless ``kv_cache_dtype`` says:
         "auto" (a ``ModelConfig``'s own; for a checkpoint, what is faster here for its dtype:
         ``dtypes.auto_compute_dtype``, logged), "float32", "bfloat16", "float16".
@@ -341,7 +344,7 @@ class EngineArgs:
     swap_space_blocks: int | None = None
     allocation_policy: Any = "lifo"
     attention_impl: str = "auto"
-    layer_loop: str = "scan"
+    layer_loop: str = "auto"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
@@ -405,8 +408,8 @@ class EngineArgs:
         get_hash(self.prefix_cache_hash)
         get_policy(self.allocation_policy)
         kv_format(self.kv_cache_dtype)
-        if self.layer_loop not in LAYER_LOOPS:
-            raise ValueError(f"layer_loop={self.layer_loop!r}: unknown; choose one of {list(LAYER_LOOPS)}")
+        if self.layer_loop not in LAYER_LOOP_CHOICES:
+            raise ValueError(f"layer_loop={self.layer_loop!r}: unknown; choose one of {list(LAYER_LOOP_CHOICES)}")
         if self.kv_cache not in KV_CACHE_MODES:
             raise ValueError(f"kv_cache={self.kv_cache!r}: unknown; choose one of {list(KV_CACHE_MODES)}")
         if self.enable_prefix_caching and self.kv_cache != "paged":
@@ -466,7 +469,7 @@ class EngineArgs:
 
         model = self.model
         draft = speculative is not None and speculative.method == "draft_model"
-        if self.layer_loop != "scan" and (isinstance(model, ModelBackend) or parallel.mesh is not None):
+        if self.layer_loop == "unrolled" and (isinstance(model, ModelBackend) or parallel.mesh is not None):
             raise ValueError(f"layer_loop={self.layer_loop!r} runs one device's own model: not with "
                              + ("a ModelBackend (its step is its own)" if isinstance(model, ModelBackend)
                                 else "tensor or data parallelism (their shardings are of stacked weights)")
@@ -510,7 +513,20 @@ class EngineArgs:
         return ModelSpec(source=source, architecture=arch, backend=None, seed=self.seed, tokenizer=tokenizer,
                          eos_token_ids=_with_tokenizer_eos(defaults.eos_token_ids, tokenizer),
                          generation_defaults=sampling_defaults, attention_impl=impl, max_model_len=0,
-                         vocab_size=arch.vocab_size, draft=draft_spec, layer_loop=self.layer_loop)
+                         vocab_size=arch.vocab_size, draft=draft_spec,
+                         layer_loop=self._layer_loop(parallel, arch.num_layers))
+
+    def _layer_loop(self, parallel: ParallelConfig, num_layers: int) -> str:
+        """``layer_loop`` with "auto" resolved for this model (one device's own, checked)."""
+        if self.layer_loop != "auto":
+            return self.layer_loop
+        import jax
+
+        from paged_jax.dtypes import logger
+
+        loop, why = auto_layer_loop(jax.default_backend(), parallel.mesh is not None)
+        logger.info("layer_loop='auto': %s for %d layers (%s)", loop, num_layers, why)
+        return loop
 
     def _draft_spec(self, draft, target) -> ModelSpec:
         """The draft's part: its config checked against the target's (same vocabulary)
@@ -653,6 +669,23 @@ def _auto_dtype(checkpoint_dtype: str, model: str) -> str:
     dtype, why = auto_compute_dtype(checkpoint_dtype, platform)
     logger.info("dtype='auto': %s for %s (checkpoint %s, %s: %s)", dtype, model, checkpoint_dtype, platform, why)
     return dtype
+
+
+def auto_layer_loop(platform: str, sharded: bool) -> tuple[str, str]:
+    """``layer_loop="auto"`` for a model of our own: ("unrolled" or "scan", why).
+
+    Unrolled on CPU with one device: XLA:CPU copies each layer's weights out of the
+    stacked arrays on every step under the scan (a dynamic-slice fusion before each dot),
+    which costs a small-batch step 15-40% (``experiments layer_loop``, 2026-12-07 Intel
+    VM, SmolLM2-135M fp32: 0.62-0.85x the scan's step at 1-64 rows); the price is a 2-3x
+    longer compile per shape, paid once with the persistent compilation cache. The scan
+    elsewhere: a mesh shards stacked weights, and on accelerators compile time is the
+    scan's reason to be while no step gain has been measured there."""
+    if sharded:
+        return "scan", "a mesh shards the stacked weights"
+    if platform != "cpu":
+        return "scan", f"{platform}: one layer body compiles once; no unrolled step gain measured there"
+    return "unrolled", "cpu: the scan copies each layer's weights out of the stack every step"
 
 
 def _as_ids(value) -> tuple[int, ...]:

@@ -14,10 +14,14 @@ the non-paged baseline).
 
 Layers run under one ``jax.lax.scan``: every per-layer parameter is stacked along a
 leading ``num_layers`` axis (``nnx.vmap`` builds them), and the cache is the scan's
-carry, so a compiled step holds one layer body whatever the depth. Compile time no
-longer grows with the number of layers, and the cache is updated in place at index
-``layer`` (every backend indexes the layer itself instead of being handed a slice, which
-would be materialised).
+carry, so a compiled step holds one layer body whatever the depth. Compile time does not
+grow with the number of layers, and the cache is updated in place at index ``layer``
+(every backend indexes the layer itself instead of being handed a slice, which would be
+materialised). Or, with the stacked leaves split into ``PerLayer`` arrays
+(``unstack_layers``; ``layer_loop="unrolled"``, the engine's default on one CPU device),
+as a Python loop over the layers: XLA:CPU copies each layer's weights out of the stack
+under the scan, and reads separate arrays where they lie, at the price of a program
+holding every layer.
 
 Hot loops never call the module directly: they ``nnx.split`` it once and run a pure
 function ``f(graphdef, params, ...)`` under plain ``jax.jit`` (``forward`` below), which
@@ -147,11 +151,12 @@ def pack_params(params):
     to bf16. As bits, the slice is an integer move and each layer's weights are bitcast
     back inside the scan (``from_bits``). The model accepts packed or unpacked layers
     (unpacked ones are bitcast on every call: correct, one weights copy per step)."""
-    def pack(path, x):
-        first = getattr(path[0], "key", getattr(path[0], "name", None)) if path else None
-        return as_bits(x) if first == "layers" else x
+    return jax.tree_util.tree_map_with_path(lambda path, x: as_bits(x) if _in_layers(path) else x, params)
 
-    return jax.tree_util.tree_map_with_path(pack, params)
+
+def _in_layers(path) -> bool:
+    """Whether a parameter's tree path is under the stacked ``layers`` (its first key)."""
+    return bool(path) and getattr(path[0], "key", getattr(path[0], "name", None)) == "layers"
 
 
 @jax.tree_util.register_pytree_node_class
@@ -190,8 +195,7 @@ def unstack_layers(params, dtype):
     layers as an unrolled loop (``layer_loop="unrolled"``: faster fp32 steps, a longer
     compile per shape)."""
     def unstack(path, x):
-        first = getattr(path[0], "key", getattr(path[0], "name", None)) if path else None
-        return PerLayer(from_bits(x[i], dtype) for i in range(x.shape[0])) if first == "layers" else x
+        return PerLayer(from_bits(x[i], dtype) for i in range(x.shape[0])) if _in_layers(path) else x
 
     return jax.tree_util.tree_map_with_path(unstack, params)
 

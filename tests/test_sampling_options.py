@@ -4,6 +4,7 @@ logprobs and ranks, and one program for greedy, sampled and penalised batches.""
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
@@ -13,10 +14,12 @@ from paged_jax.engine.sampling import (
     SEEN,
     History,
     Logprob,
+    _keep_mask,
     _sample,
     _uniform,
     apply_history,
     argmax_last,
+    draw,
     empty_history,
     sample,
     sampling_probs,
@@ -150,8 +153,8 @@ def test_penalties_and_bans_match_numpy():
 
 def test_sampling_follows_the_reference_distribution_and_draw():
     """Per row: the processed distribution (penalties, bans, temperature, min-p, top-k,
-    top-p) equals NumPy's, and each drawn token is NumPy's inverse-CDF pick with the same
-    uniform; greedy rows are the argmax of the processed logits."""
+    top-p) equals NumPy's, and each drawn token is NumPy's inverse-CDF pick (token-id
+    order) with the same uniform; greedy rows are the argmax of the processed logits."""
     logits, rows = _case(1)
     rng = np.random.default_rng(2)
     temperature = rng.choice([0.0, 0.6, 1.0, 1.8], B).astype(np.float32)
@@ -175,13 +178,68 @@ def test_sampling_follows_the_reference_distribution_and_draw():
             if temperature[i] == 0:
                 assert tok[i] == np.argmax(processed[i])
                 continue
-            s = processed[i].astype(np.float64) / temperature[i]
-            order = np.argsort(-s, kind="stable")
-            cdf = np.cumsum(want[i][order])
-            pick = min(int((cdf <= u[i] * cdf[-1]).sum()), int((want[i] > 0).sum()) - 1)
-            assert tok[i] == order[pick], (i, step)
+            cdf = np.cumsum(want[i])  # inverse CDF in token-id order, as ``draw``
+            pick = min(int((cdf <= u[i] * cdf[-1]).sum()), int(np.flatnonzero(want[i])[-1]))
+            assert tok[i] == pick, (i, step)
             assert want[i][tok[i]] > 0 and tok[i] not in rows[i]["banned"]
         np.testing.assert_allclose(np.asarray(lp), raw[np.arange(B), tok], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("candidates", [(), (1,), (2,), (3, 9), (5, 12), (128,)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_kept_set_is_exact_whichever_path_decides_it(candidates, seed):
+    """``_keep_mask`` decides a row from its top-k candidates, elementwise, from more
+    candidates, or by a full sort: every path gives NumPy's set (ties ranked by id), for
+    rows of every kind (min-p, top-k below and above the candidates, top-p inside and past
+    them, nothing at all) and logits with ties."""
+    rng = np.random.default_rng(seed)
+    n = 96
+    scaled = np.round(rng.normal(size=(n, V)) * 2, 1).astype(np.float32)  # rounded: ties
+    scaled[:8] = np.round(scaled[:8])  # many ties
+    top_k = rng.choice([-1, 0, 1, 2, 4, 7, 13, V, V + 5], n).astype(np.int32)
+    top_p = rng.choice([1.0, 0.93, 0.71, 0.37, 0.05], n).astype(np.float32)
+    min_p = rng.choice([0.0, 0.0, 0.02, 0.3], n).astype(np.float32)
+    got = np.asarray(jax.jit(_keep_mask, static_argnums=4)(scaled, top_k, top_p, min_p, candidates))
+    for i in range(n):
+        want = _probs_reference(scaled[i], 1.0, top_k[i] if top_k[i] < V else -1, top_p[i], min_p[i]) > 0
+        np.testing.assert_array_equal(got[i], want, err_msg=f"row {i}: k={top_k[i]} p={top_p[i]} min_p={min_p[i]}")
+
+
+@pytest.mark.parametrize("vocab", [7, 24, 50, 1000, 4096, 49152])
+def test_draw_is_the_inverse_cdf_pick_in_token_id_order(vocab):
+    """``draw`` (two levels where the vocabulary splits into chunks) picks NumPy's first
+    token whose float64 cumulative weight passes ``u`` times the total, never one of weight
+    0; a row of zeros gives the last token. Picks whose target lies within rounding of a
+    boundary are not compared."""
+    rng = np.random.default_rng(vocab)
+    rows = 40
+    probs = rng.random((rows, vocab)).astype(np.float32) ** 4
+    probs[rng.random((rows, vocab)) < 0.6] = 0.0  # dropped tokens, runs of them
+    probs[0] = 0.0
+    probs[1, :] = 0.0
+    probs[1, vocab // 2] = 1.0  # one token
+    probs[2, :] = 0.0
+    probs[2, 0] = 1e-3  # only the first
+    probs[3, :-1] = 0.0  # only the last
+    probs[3, -1] = 2.0
+    seeds = np.arange(rows, dtype=np.uint32) * 13 + 1
+    for step in range(4):
+        steps = np.full(rows, step, np.int32)
+        got = np.asarray(jax.jit(draw)(probs, seeds, steps))
+        u = np.asarray(_uniform(seeds, steps)).astype(np.float64)
+        for i in range(rows):
+            if not probs[i].any():
+                assert got[i] == vocab - 1
+                continue
+            assert probs[i, got[i]] > 0, (i, step)
+            cdf = np.cumsum(probs[i].astype(np.float64))
+            target = u[i] * cdf[-1]
+            if np.min(np.abs(cdf - target)) > 1e-5 * cdf[-1]:
+                assert got[i] == int((cdf <= target).sum()), (i, step)
+    # Leading axes and broadcast seeds, as speculative decoding calls it.
+    cube = probs[:6].reshape(2, 3, vocab)
+    flat = np.asarray(draw(probs[:6], np.repeat(seeds[:2], 3), np.tile(np.arange(3), 2)))
+    np.testing.assert_array_equal(np.asarray(draw(cube, seeds[:2, None], np.arange(3)[None])).reshape(-1), flat)
 
 
 def test_min_tokens_ban_beats_a_dominant_token():

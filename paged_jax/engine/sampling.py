@@ -17,12 +17,12 @@ The order is vLLM v1's (``vllm/v1/sample/sampler.py``), per row:
 3. greedy rows (temperature 0) take the argmax here;
 4. temperature, then min-p (drop tokens whose probability is below ``min_p`` times the
    most likely one's), then top-k, then top-p (on the distribution left after min-p and
-   top-k), then the inverse-CDF draw.
+   top-k), then the inverse-CDF draw (in token-id order, over the kept tokens).
 
 Steps 1-2 read a per-row sparse ``History`` (token ids, output counts, flags, biases) built on
 the host (see ``History``). One compiled program serves every mix of rows: the greedy
 choice and whether any row needs steps 1-2 are run-time conditions (``jax.lax.cond``),
-so a batch that needs neither skips the sort and the scatter without a program of its own.
+so a batch that needs neither skips the truncation and the scatter without a program of its own.
 
 Reported log-probabilities are vLLM v1's default ``logprobs_mode="raw_logprobs"``:
 ``log_softmax`` of the model's unmodified logits, before penalties, temperature and
@@ -361,42 +361,94 @@ def empty_history(batch: int, width: int = 1) -> History:
                    np.zeros(batch, np.float32), np.zeros(batch, np.float32), np.ones(batch, np.float32))
 
 
-def _truncated(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-               min_p: jax.Array | None = None):
-    """The ranking ``sample`` and ``sampling_probs`` share: ``(order int32[..., V]`` token
-    ids most likely first (ties by id), ``probs f32[..., V]`` the softmax of
-    ``logits / temperature`` over the min-p and top-k prefix in that order, ``keep
-    bool[..., V]`` the min-p, top-k and top-p prefix, ``cumulative f32[..., V]`` the
-    cumsum of ``probs``)``. temperature, top_k, top_p,
-    min_p: shaped like ``logits`` without its last axis; min_p None means 0."""
-    vocab = logits.shape[-1]
-    scaled = logits / jnp.maximum(temperature, 1e-6)[..., None]
+# Candidate counts tried, in order, before a full sort: ``jax.lax.top_k`` of this many
+# tokens decides a row's kept set exactly when the set ends inside it (``_keep_mask``).
+# XLA:CPU sorts [32, 49152] f32 logits in ~600 ms, 40x a model step's sampler budget;
+# top-k of 128 takes ~6 ms and of 2048 ~15 ms there (2026-12-07 Intel VM).
+CANDIDATES = (128, 2048)
+
+
+def _rank_prefix(scaled, ids, n, vals, idx):
+    """bool[N, V]: the first ``n`` [N] tokens of each row's ranking (by scaled logit, ties
+    by id), given the ranking's head ``vals``/``idx`` [N, >= max n] in rank order."""
+    at = jnp.maximum(n - 1, 0)[:, None]
+    v = jnp.take_along_axis(vals, at, axis=-1)
+    i = jnp.take_along_axis(idx, at, axis=-1)
+    return ((scaled > v) | ((scaled == v) & (ids <= i))) & (n > 0)[:, None]
+
+
+def _keep_mask(scaled, top_k, top_p, min_p, candidates=CANDIDATES):
+    """bool[N, V]: the tokens a row may draw from ``scaled`` f32[N, V] (logits over
+    temperature), in token-id order: vLLM's min-p (p >= min_p * p_max on the full tempered
+    distribution), then top-k, then top-p on what is left (a token is kept while the
+    tokens ranked above it hold less than ``top_p``; the most likely is always kept).
+    Ties are ranked by id. top_k int32[N] (<= 0 or >= V: off), top_p f32[N] (>= 1: off),
+    min_p f32[N] (0: off).
+
+    Each mask is a prefix of the ranking, so a row whose prefix ends among its
+    ``jax.lax.top_k`` best ``k`` tokens is decided from them alone (a threshold on the
+    scaled logit and the id); a row with no top-k or top-p (or a top-k past every min-p
+    survivor) is decided elementwise. Only rows neither settles try the next count in
+    ``candidates`` and, last, a full sort, each under a ``lax.cond`` that runs when some row
+    needs it. The set is the same whichever path decides it (the top-p normaliser summed in
+    another order can move a boundary only where the cumulative mass equals ``top_p`` to
+    the last bit)."""
+    n_rows, vocab = scaled.shape
     ids = jnp.broadcast_to(jnp.arange(vocab, dtype=jnp.int32), scaled.shape)
-    neg_sorted, order = jax.lax.sort_key_val(-scaled, ids, dimension=-1)  # stable: ties by id
-    keep = jnp.arange(vocab) < jnp.where(top_k > 0, top_k, vocab)[..., None]
-    if min_p is not None:
-        # vLLM's min-p runs before top-k, on the full tempered distribution: p >= min_p *
-        # p_max, i.e. a logit gap of at most -log(min_p) (min_p 0: -inf, all kept; no
-        # softmax needed). In rank order its survivors are a prefix too.
-        keep &= neg_sorted[..., :1] - neg_sorted >= jnp.log(min_p)[..., None]
-    probs = jax.nn.softmax(jnp.where(keep, -neg_sorted, -jnp.inf), axis=-1)
-    # Keep a token while the ones ranked above it have not reached top_p; the most likely
-    # token is always kept. Every mask is a prefix of the ranking.
-    cumulative = jnp.cumsum(probs, axis=-1)
-    keep &= (cumulative - probs) < top_p[..., None]
-    return order, probs, keep, cumulative
+    top = jnp.max(scaled, axis=-1, keepdims=True)
+    gap = scaled - top  # log(p / p_max), <= 0
+    survives = gap >= jnp.log(min_p)[:, None]  # min_p 0: log 0 = -inf, every token
+    survivors = survives.sum(axis=-1)
+    top_k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    n1 = jnp.minimum(top_k, survivors)  # the min-p and top-k prefix's length
+    by_min_p = top_k >= survivors  # that prefix is the min-p survivors: elementwise
+    use_p = top_p < 1
+    weights = jnp.exp(gap)
+    z_min_p = jnp.sum(jnp.where(survives, weights, 0.0), axis=-1)
+
+    def from_head(vals, idx):
+        """(mask, settled bool[N]) from the ranking's head ``vals``/``idx`` [N, k]."""
+        # No static slice of ``vals`` anywhere: XLA:CPU then turns the top-k back into a
+        # full sort (300-400 ms at [32, 49152]).
+        k = vals.shape[-1]
+        head = jnp.arange(k)[None] < n1[:, None]
+        e = jnp.where(head, jnp.exp(vals - top), 0.0)
+        z = jnp.where(n1 <= k, e.sum(axis=-1), z_min_p)  # known unless top-k binds past k
+        probs = e / z[:, None]
+        cumulative = jnp.cumsum(probs, axis=-1)
+        n2 = (head & ((cumulative - probs) < top_p[:, None])).sum(axis=-1)
+        p_settled = (n1 <= k) | (by_min_p & ((n2 < k) | (probs.sum(axis=-1) >= top_p)))
+        n = jnp.where(use_p, n2, n1)
+        mask = jnp.where((~use_p & (n1 > k))[:, None], survives, _rank_prefix(scaled, ids, n, vals, idx))
+        return mask, jnp.where(use_p, p_settled, (n1 <= k) | by_min_p)
+
+    def levels(sizes):
+        if not sizes:  # the full sort: settles every row
+            neg, order = jax.lax.sort_key_val(-scaled, ids, dimension=-1)  # stable: ties by id
+            return from_head(-neg, order)[0]
+        vals, idx = jax.lax.top_k(scaled, min(sizes[0], vocab))
+        mask, settled = from_head(vals, idx.astype(jnp.int32))
+        if sizes[0] >= vocab:
+            return mask
+        rest = jax.lax.cond(jnp.all(settled), lambda: mask, lambda: levels(sizes[1:]))
+        return jnp.where(settled[:, None], mask, rest)
+
+    elementwise = ~use_p & by_min_p  # no top-p, no top-k short of the min-p survivors
+    return jax.lax.cond(jnp.all(elementwise), lambda: survives,
+                        lambda: jnp.where(elementwise[:, None], survives, levels(tuple(candidates))))
+
+
+def _weights(logits, temperature, top_k, top_p, min_p, candidates=CANDIDATES):
+    """f32[N, V]: unnormalised probabilities ``exp(scaled - max)`` on the kept set
+    (``_keep_mask``), 0 elsewhere, in token-id order."""
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    keep = _keep_mask(scaled, top_k, top_p, min_p, candidates)
+    return jnp.where(keep, jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), 0.0)
 
 
 def _draw_truncated(logits, temperature, top_k, top_p, min_p, seeds, steps):
     """int32[B]: the inverse-CDF draw of ``sample`` for every row (greedy rows included)."""
-    order, _, keep, cumulative = _truncated(logits, temperature, top_k, top_p, min_p)
-    # ``keep`` is a prefix, so the kept tokens' CDF is ``cumulative`` on it: no second
-    # cumsum (each costs compile time on XLA:CPU).
-    kept = keep.sum(axis=-1)
-    total = jnp.take_along_axis(cumulative, (kept - 1)[:, None], axis=-1)[:, 0]
-    target = _uniform(seeds, steps) * total
-    choice = jnp.minimum((keep & (cumulative <= target[:, None])).sum(axis=-1), kept - 1)
-    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+    return draw(_weights(logits, temperature, top_k, top_p, min_p), seeds, steps)
 
 
 def argmax_last(x: jax.Array) -> jax.Array:
@@ -426,7 +478,7 @@ def _choose(processed, raw, temperature, top_k, top_p, seeds, steps, min_p, gree
         drawn = _draw_truncated(processed, temperature, top_k, top_p, min_p, seeds, steps)
         return jnp.where(temperature == 0, greedy, drawn).astype(jnp.int32)
 
-    if greedy_only is None:  # one program: the sort runs only if some row samples
+    if greedy_only is None:  # one program: truncation and the draw run only if some row samples
         tokens = jax.lax.cond(jnp.all(temperature == 0), lambda: greedy, sampled)
     elif greedy_only:
         tokens = greedy
@@ -478,13 +530,15 @@ def sample(
       min_p: f32[B] in [0, 1], or None (0 for every row).
       history: the rows' penalties and min-tokens bans (``History``), or None.
       greedy_only: None (default): decided at run time, inside one program, whether
-        every row is greedy (then the sort is skipped). True/False force it statically
+        every row is greedy (then the truncation and the draw are skipped). True/False force it statically
         (a program of its own; kept for callers that know).
 
     The order of the processing is the module docstring's. Sampling is by inverse CDF:
-    sort the processed, temperature-scaled logits, keep the min-p, top-k and top-p
-    prefix, and pick where a uniform draw ``_uniform(seed, step)`` falls in their
-    cumulative probabilities. Ties are broken by token id.
+    keep the min-p, top-k and top-p prefix of the ranking of the processed,
+    temperature-scaled logits (ties ranked by id; ``_keep_mask``, which sorts only what it
+    must), and pick where a uniform draw ``_uniform(seed, step)`` falls in the kept
+    tokens' cumulative probabilities in token-id order (``draw``, as speculative decoding
+    draws).
 
     Returns:
       (tokens int32[B], logprobs f32[B]): the token and its log-probability under the
@@ -549,23 +603,50 @@ def sampling_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, 
     logits = logits.astype(jnp.float32)
     vocab = logits.shape[-1]
     shape = logits.shape[:-1]
-    temperature = jnp.broadcast_to(temperature, shape)
-    order, probs, keep, _ = _truncated(logits, temperature, jnp.broadcast_to(top_k, shape),
-                                    jnp.broadcast_to(top_p, shape),
-                                    None if min_p is None else jnp.broadcast_to(min_p, shape))
-    kept = jnp.where(keep, probs, 0.0)
-    kept = kept / kept.sum(axis=-1, keepdims=True)
-    # Back from rank order to token-id order: position order[j] holds kept[j].
-    out = jnp.zeros_like(kept)
-    out = jnp.put_along_axis(out, order, kept, axis=-1, inplace=False)
+    flat = [jnp.broadcast_to(x, shape).reshape(-1) for x in
+            (temperature, top_k, top_p, jnp.zeros(shape, jnp.float32) if min_p is None else min_p)]
+    weights = _weights(logits.reshape(-1, vocab), *flat).reshape(logits.shape)
+    out = weights / weights.sum(axis=-1, keepdims=True)
     greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
-    return jnp.where((temperature == 0)[..., None], greedy, out)
+    return jnp.where((jnp.broadcast_to(temperature, shape) == 0)[..., None], greedy, out)
 
 
 def draw(probs: jax.Array, seeds: jax.Array, steps: jax.Array) -> jax.Array:
     """int32[...]: one token per row of ``probs`` f32[..., V] (need not be normalised; a
     row of zeros gives the last token), by inverse CDF in token-id order with the uniform
-    ``_uniform(seeds, steps)``."""
-    cdf = jnp.cumsum(probs, axis=-1)
-    target = _uniform(seeds, steps) * cdf[..., -1]
-    return jnp.minimum((cdf <= target[..., None]).sum(axis=-1), probs.shape[-1] - 1).astype(jnp.int32)
+    ``_uniform(seeds, steps)``: the first token whose cumulative weight passes ``u`` times
+    the row's total (never one of weight 0).
+
+    In two levels where the vocabulary splits into chunks of 128 (or a power-of-two
+    divisor): the chunk where the target falls by the chunks' cumulative sums, then the
+    token in it. XLA:CPU's cumsum over [32, 49152] takes ~13 ms; this reads the weights
+    once. Sums taken in that order can move a pick only where the target equals a
+    cumulative weight to the last bit."""
+    lead, vocab = probs.shape[:-1], probs.shape[-1]
+    flat = probs.reshape(-1, vocab)
+    target = _uniform(jnp.broadcast_to(seeds, lead).reshape(-1), jnp.broadcast_to(steps, lead).reshape(-1))
+
+    def pick(weights, target):
+        """(index int32[N], its cumulative weight before it): the inverse-CDF pick in
+        ``weights`` [N, W], never past the last positive weight (W - 1 if none)."""
+        cdf = jnp.cumsum(weights, axis=-1)
+        positions = jnp.arange(weights.shape[-1])
+        last = jnp.max(jnp.where(weights > 0, positions, -1), axis=-1)
+        i = jnp.minimum((cdf <= target[:, None]).sum(axis=-1), jnp.where(last < 0, weights.shape[-1] - 1, last))
+        at = i[:, None].astype(jnp.int32)
+        before = (jnp.take_along_axis(cdf, at, axis=-1) - jnp.take_along_axis(weights, at, axis=-1))[:, 0]
+        return i.astype(jnp.int32), before
+
+    chunk = 128
+    while vocab % chunk and chunk > 8:
+        chunk //= 2
+    if vocab % chunk or vocab <= chunk:  # one level
+        total = flat.sum(axis=-1)
+        return pick(flat, target * total)[0].reshape(lead)
+    tiles = flat.reshape(flat.shape[0], vocab // chunk, chunk)
+    sums = tiles.sum(axis=-1)
+    goal = target * sums.sum(axis=-1)
+    c, before = pick(sums, goal)
+    tile = jnp.take_along_axis(tiles, c[:, None, None], axis=1)[:, 0]
+    j, _ = pick(tile, goal - before)
+    return (c * chunk + j).reshape(lead)

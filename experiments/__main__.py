@@ -33,6 +33,7 @@ Beside other engines (side venvs, a real checkpoint; not in `all` nor the report
   peers         paged_jax vs vLLM vs transformers: tokens/s, TTFT/TPOT, memory, greedy agreement
   step_profile  where a decode step's time goes: FLOPs, bytes, matmul peak per dtype, host share
   layer_loop    the layers under one scan vs unrolled over per-layer weights: step time, compile
+  sampler       the sampler per step vs the full-sort sampler it replaced: ms per call, kept sets
 
 Tools:
   sweep         an ablation grid over any LLM keyword: a tidy table (CSV + JSON) and plots
@@ -58,7 +59,7 @@ CPU_STUDIES = [
 GPU_STUDIES = ["kernel_bench", "gpu", "kernel_resources"]  # the last needs triton, not a GPU
 TOOLS = ["sweep", "report", "demo", "all"]
 STUDIES = CPU_STUDIES + GPU_STUDIES
-PEER_STUDIES = ["peers", "step_profile", "layer_loop"]  # run alone: they need side venvs or minutes of a real model
+PEER_STUDIES = ["peers", "step_profile", "layer_loop", "sampler"]  # run alone: they need side venvs or minutes of a real model
 DIAGNOSTICS = ["serving_timeline"]  # run alone: not a claim, not in `all` nor the report
 
 

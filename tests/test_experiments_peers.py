@@ -93,6 +93,23 @@ def test_unknown_peer_is_refused():
 
 
 @pytest.mark.slow
+def test_sampler_quick(tmp_path):
+    """Every case at every row count: the sampler's kept sets equal the full sort's (the
+    replaced sampler), both timed; the headline the JSON's."""
+    from experiments import sampler
+
+    got = sampler.main(["--quick", "--rows", "8", "--out", str(tmp_path)])
+    assert [r["case"] for r in got["rows"]] == list(sampler.CASES)
+    for row in got["rows"]:
+        assert row["kept_sets_equal"], row
+        assert row["sample_ms"] > 0 and row["sort_ms"] > 0
+    flat = next(r for r in got["rows"] if r["case"] == "top_p_0.95_flat")
+    assert flat["max_kept"] > 2048  # past the candidates: the binary searches decided it
+    assert got["headline"]["kept_sets_equal"] is True
+    assert json.loads((tmp_path / "sampler.json").read_text())["headline"] == got["headline"]
+
+
+@pytest.mark.slow
 def test_layer_loop_quick(tmp_path):
     """Scan and unrolled on the same model, timed in turn: every row count and the first
     calls reported, the headline the JSON's (a timing: no bound on the ratio itself)."""

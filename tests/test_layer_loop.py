@@ -71,10 +71,14 @@ def test_the_engine_gives_the_same_outputs_and_compiles_once_per_bucket(pressure
         for oa, ob in zip(a.outputs, b.outputs):
             np.testing.assert_allclose(oa.cumulative_logprob, ob.cumulative_logprob, rtol=1e-4, atol=1e-4)
     assert_drained(llm)
-    # The same programs, traced as often as the scan's (once per bucket), and no retrace later.
+    # The same programs, traced as often as the scan's (once per bucket), and no retrace
+    # when a shape comes back.
+    assert llm.stats()["traces"] == scan_llm.stats()["traces"]
+    for engine in (scan_llm, llm):
+        engine.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4), use_tqdm=False)
     traces = llm.stats()["traces"]
     assert traces == scan_llm.stats()["traces"]
-    again = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    again = llm.generate([{"prompt_token_ids": [8, 9, 10]}], SamplingParams(max_tokens=4), use_tqdm=False)
     assert again[0].outputs[0].token_ids and llm.stats()["traces"] == traces
 
 def test_what_it_cannot_run_is_refused_before_loading():

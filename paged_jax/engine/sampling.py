@@ -361,10 +361,10 @@ def empty_history(batch: int, width: int = 1) -> History:
                    np.zeros(batch, np.float32), np.zeros(batch, np.float32), np.ones(batch, np.float32))
 
 
-# Candidate counts tried, in order, before a full sort: ``jax.lax.top_k`` of this many
-# tokens decides a row's kept set exactly when the set ends inside it (``_keep_mask``).
-# XLA:CPU sorts [32, 49152] f32 logits in ~600 ms, 40x a model step's sampler budget;
-# top-k of 128 takes ~6 ms and of 2048 ~15 ms there (2026-12-07 Intel VM).
+# Candidate counts tried, in order, before the binary searches: ``jax.lax.top_k`` of this
+# many tokens decides a row's kept set exactly when the set ends inside it (``_keep_mask``).
+# XLA:CPU sorts [32, 49152] f32 logits in ~600 ms (2026-12-07 Intel VM), 6x a model step;
+# top-k of 128 takes ~5 ms there and of 2048 ~37 ms.
 CANDIDATES = (128, 2048)
 
 
@@ -375,6 +375,56 @@ def _rank_prefix(scaled, ids, n, vals, idx):
     v = jnp.take_along_axis(vals, at, axis=-1)
     i = jnp.take_along_axis(idx, at, axis=-1)
     return ((scaled > v) | ((scaled == v) & (ids <= i))) & (n > 0)[:, None]
+
+
+def _ordered(x: jax.Array) -> jax.Array:
+    """uint32 keys in the order of the float32 ``x`` (no NaNs): integer halving of the keys
+    is a binary search over the floats."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits).astype(jnp.uint32) ^ jnp.uint32(0x80000000)
+
+
+def _from_ordered(key: jax.Array) -> jax.Array:
+    bits = (key ^ jnp.uint32(0x80000000)).astype(jnp.int32)
+    return jax.lax.bitcast_convert_type(jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits), jnp.float32)
+
+
+def _bisect_prefix(scaled, weights, n, mass=None):
+    """bool[N, V]: the longest prefix of each row's ranking (``scaled`` f32[N, V], ties by
+    id) in which every token has fewer than ``n`` int32[N] tokens and less than ``mass``
+    f32[N] (None: no bound) of ``weights`` ranked above it (the most likely token always
+    qualifies).
+
+    Qualifying is monotone in the value, so a binary search (32 halvings of the values'
+    ordered bit patterns, each one pass over the row) finds the lowest value ``v`` whose
+    tokens qualify; of the tokens tied at ``v``, as many as still fit are kept, lowest ids
+    first. No sort: the last level of ``_keep_mask``."""
+    unbounded = mass is None
+    mass = jnp.full(n.shape, jnp.inf, jnp.float32) if unbounded else mass
+
+    def qualifies(v):
+        above = scaled > v[:, None]
+        ok = above.sum(axis=-1) < n
+        return ok if unbounded else ok & (jnp.where(above, weights, 0.0).sum(axis=-1) < mass)
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        ok = qualifies(_from_ordered(mid))
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+    # The maximum qualifies (nothing is above it); the answer is a token's own value.
+    bounds = (_ordered(jnp.min(scaled, axis=-1)), _ordered(jnp.max(scaled, axis=-1)))
+    v = _from_ordered(jax.lax.fori_loop(0, 32, halve, bounds)[1])[:, None]
+    above = scaled > v
+    count = above.sum(axis=-1)
+    weight = jnp.where(above, weights, 0.0).sum(axis=-1)
+    tied = scaled == v
+    each = jnp.max(jnp.where(tied, weights, 0.0), axis=-1)
+    # The r-th tied token (by id) fits while count + r < n and weight + r * each < mass.
+    by_mass = jnp.where(each > 0, jnp.ceil((mass - weight) / jnp.where(each > 0, each, 1.0)), jnp.inf)
+    fit = jnp.maximum(jnp.minimum((n - count).astype(jnp.float32), by_mass), 1.0)
+    return above | (tied & (jnp.cumsum(tied, axis=-1) <= fit[:, None]))
 
 
 def _keep_mask(scaled, top_k, top_p, min_p, candidates=CANDIDATES):
@@ -389,8 +439,8 @@ def _keep_mask(scaled, top_k, top_p, min_p, candidates=CANDIDATES):
     ``jax.lax.top_k`` best ``k`` tokens is decided from them alone (a threshold on the
     scaled logit and the id); a row with no top-k or top-p (or a top-k past every min-p
     survivor) is decided elementwise. Only rows neither settles try the next count in
-    ``candidates`` and, last, a full sort, each under a ``lax.cond`` that runs when some row
-    needs it. The set is the same whichever path decides it (the top-p normaliser summed in
+    ``candidates`` and, last, binary searches over the values (``_bisect_prefix``), each
+    under a ``lax.cond`` that runs when some row needs it. The set is the same whichever path decides it (the top-p normaliser summed in
     another order can move a boundary only where the cumulative mass equals ``top_p`` to
     the last bit)."""
     n_rows, vocab = scaled.shape
@@ -423,9 +473,11 @@ def _keep_mask(scaled, top_k, top_p, min_p, candidates=CANDIDATES):
         return mask, jnp.where(use_p, p_settled, (n1 <= k) | by_min_p)
 
     def levels(sizes):
-        if not sizes:  # the full sort: settles every row
-            neg, order = jax.lax.sort_key_val(-scaled, ids, dimension=-1)  # stable: ties by id
-            return from_head(-neg, order)[0]
+        if not sizes:  # binary searches over the values: settle every row
+            head = jax.lax.cond(jnp.all(by_min_p), lambda: survives, lambda: _bisect_prefix(scaled, weights, n1))
+            z = jnp.where(head, weights, 0.0).sum(axis=-1)
+            return jnp.where(use_p[:, None], _bisect_prefix(scaled, weights, n1, jnp.where(use_p, top_p * z, 1.0)),
+                             head)
         vals, idx = jax.lax.top_k(scaled, min(sizes[0], vocab))
         mask, settled = from_head(vals, idx.astype(jnp.int32))
         if sizes[0] >= vocab:
@@ -535,7 +587,7 @@ def sample(
 
     The order of the processing is the module docstring's. Sampling is by inverse CDF:
     keep the min-p, top-k and top-p prefix of the ranking of the processed,
-    temperature-scaled logits (ties ranked by id; ``_keep_mask``, which sorts only what it
+    temperature-scaled logits (ties ranked by id; ``_keep_mask``, which ranks only what it
     must), and pick where a uniform draw ``_uniform(seed, step)`` falls in the kept
     tokens' cumulative probabilities in token-id order (``draw``, as speculative decoding
     draws).

@@ -87,3 +87,11 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def shown_path(path: str) -> str:
+    """A path as a study's JSON names it: relative to the repository when inside it, else
+    with ``~`` for the home directory."""
+    path = os.path.abspath(os.path.expanduser(path))
+    rel = os.path.relpath(path, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return path.replace(os.path.expanduser("~"), "~") if rel.startswith("..") else rel

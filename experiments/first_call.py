@@ -31,7 +31,7 @@ import tempfile
 
 import numpy as np
 
-from experiments.common import machine_info, write_json
+from experiments.common import machine_info, shown_path, write_json
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "fixtures", "llama")
 
@@ -74,14 +74,6 @@ def measure(cache: str, source: str | None, prompts: int, max_tokens: int, model
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _shown(model: str) -> str:
-    """A checkpoint path as the JSON shows it: repo-relative, or with ``~``."""
-    model = os.path.abspath(os.path.expanduser(model))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    rel = os.path.relpath(model, root)
-    return model.replace(os.path.expanduser("~"), "~") if rel.startswith("..") else rel
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m experiments first_call", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="4 prompts x 4 tokens, one repeat")
@@ -122,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "study": "first_call",
         "machine": machine_info(),
-        "config": {"fixture": _shown(args.model), "prompts": prompts, "max_tokens": max_tokens,
+        "config": {"fixture": shown_path(args.model), "prompts": prompts, "max_tokens": max_tokens,
                    "repeats": repeats, "source": args.source, "layer_loop": args.layer_loop,
                    "layer_loop_resolved": runs["off"][0]["layer_loop"]},
         "rows": rows,

@@ -53,7 +53,7 @@ import time
 
 import numpy as np
 
-from experiments.common import machine_info, print_headline, write_json
+from experiments.common import machine_info, print_headline, shown_path, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "llama_text")
@@ -218,12 +218,6 @@ def _stop(proc) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=30)
-
-
-def _shown(model: str) -> str:
-    """The model path as the JSON names it: relative to the repository when inside it."""
-    rel = os.path.relpath(model, ROOT)
-    return model.replace(os.path.expanduser("~"), "~") if rel.startswith("..") else rel
 
 
 def engine_options(quick: bool, layer_loop: str = "auto") -> dict:
@@ -626,7 +620,7 @@ def main(argv: list[str] | None = None) -> dict:
     if same:
         overhead_ms = got["overhead"]
     else:  # its own server on the overhead model, alone on this machine
-        print(f"paged_jax server on {_shown(args.overhead_model)} for the per-request overhead:")
+        print(f"paged_jax server on {shown_path(args.overhead_model)} for the per-request overhead:")
         oh = sweep(ours_command(args.overhead_model, _free_port(), options, args.engine), [], oh_requests, args.burstiness, slo,
                    during=lambda url, pid: paired_overhead(url, baseline, oh_requests, repeats, pid))
         overhead_ms = oh.pop("during")
@@ -646,7 +640,7 @@ def main(argv: list[str] | None = None) -> dict:
             load["vllm"] = vllm["by_rate"].pop("loadavg")
         except ServerFailed as e:
             first = next((line for line in e.log["error_lines"] if "Error" in line), "")
-            vllm = {"ran": False, "reason": f"vLLM {vllm_info} did not serve {_shown(args.model)}: {e}"
+            vllm = {"ran": False, "reason": f"vLLM {vllm_info} did not serve {shown_path(args.model)}: {e}"
                                             + (f"; first error: {first}" if first else ""), "log": e.log}
     print(f"vLLM: {vllm['reason']}" if not vllm["ran"] else "vLLM: ran")
 
@@ -707,13 +701,13 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "study": "serving",
         "machine": machine_info(),
-        "config": {"model": _shown(args.model), "quick": quick, "num_prompts": num, "rates": rates,
+        "config": {"model": shown_path(args.model), "quick": quick, "num_prompts": num, "rates": rates,
                    "burstiness": args.burstiness, "slo_ttft_s": slo[0], "slo_tpot_s": slo[1],
                    "engine_options": options, "server_engine": args.engine,
                    "output_tokens": [m for _, m in requests], "client": CLIENT},
         "ours": strip(ours),
         "vllm": {**vllm, "by_rate": strip(vllm["by_rate"])} if vllm["ran"] else vllm,
-        "server_overhead": {**overhead_ms, "model": _shown(args.overhead_model),
+        "server_overhead": {**overhead_ms, "model": shown_path(args.overhead_model),
                             "output_tokens": [m for _, m in oh_requests], "repeats": repeats},
         "loadavg_1_5_15_min": load,
         "vllm_bench_client": bench if bench is not None else {
@@ -736,7 +730,7 @@ def overhead_only(args) -> dict:
     repeats = args.overhead_repeats or (1 if quick else 3)
     baseline = engine_alone(args.overhead_model, options, requests)
     mode = args.engine
-    print(f"paged_jax server ({mode} engine) on {_shown(args.overhead_model)}: {num} prompts x {repeats}, outputs "
+    print(f"paged_jax server ({mode} engine) on {shown_path(args.overhead_model)}: {num} prompts x {repeats}, outputs "
           f"{min(m for _, m in requests)}-{max(m for _, m in requests)} tokens")
     got = sweep(ours_command(args.overhead_model, _free_port(), options, args.engine), [], requests, 1.0,
                 (args.slo_ttft, args.slo_tpot),
@@ -746,7 +740,7 @@ def overhead_only(args) -> dict:
           f"CPU p50 {oh['cpu_ms_p50'] or float('nan'):.2f} ms, engine alone {oh['engine_e2e_ms_p50']:.1f} ms, "
           f"through the server {oh['server_e2e_ms_p50']:.1f} ms ({oh['pairs']} pairs)")
     result = {"study": "serving_overhead", "machine": machine_info(),
-              "config": {"model": _shown(args.overhead_model), "engine": mode, "client": CLIENT, "num_prompts": num, "repeats": repeats,
+              "config": {"model": shown_path(args.overhead_model), "engine": mode, "client": CLIENT, "num_prompts": num, "repeats": repeats,
                          "engine_options": options, "output_tokens": [m for _, m in requests]},
               "server_overhead": oh, "loadavg_1_5_15_min": got["loadavg"],
               "headline": {"server_overhead_ms_p50": oh["p50"], "server_cpu_overhead_ms_p50": oh["cpu_ms_p50"]}}

@@ -50,7 +50,7 @@ import time
 import numpy as np
 
 from experiments import serving as S
-from experiments.common import machine_info, write_json
+from experiments.common import machine_info, shown_path, write_json
 
 FIXTURE = S.FIXTURE
 
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
         if v50 is not None:
             print(f"  {k:22s} p50 {v50:7.3f} ms  p90 {v90:7.3f} ms")
     result = {"study": "serving_timeline", "machine": machine_info(),
-              "config": {"model": S._shown(args.model), "num_prompts": num, "repeats": repeats, "pin": args.pin,
+              "config": {"model": shown_path(args.model), "num_prompts": num, "repeats": repeats, "pin": args.pin,
                          "engine": args.engine,
                          "engine_options": S.engine_options(True), "client": S.CLIENT},
               "wake_latency": wake, **got,

@@ -440,10 +440,10 @@ def _keep_mask(scaled, top_k, top_p, min_p, candidates=CANDIDATES):
     scaled logit and the id); a row with no top-k or top-p (or a top-k past every min-p
     survivor) is decided elementwise. Only rows neither settles try the next count in
     ``candidates`` and, last, binary searches over the values (``_bisect_prefix``), each
-    under a ``lax.cond`` that runs when some row needs it. The set is the same whichever path decides it (the top-p normaliser summed in
-    another order can move a boundary only where the cumulative mass equals ``top_p`` to
-    the last bit)."""
-    n_rows, vocab = scaled.shape
+    under a ``lax.cond`` that runs when some row needs it. The set is the same whichever
+    path decides it (the top-p normaliser summed in another order can move a boundary only
+    where the cumulative mass equals ``top_p`` to the last bit)."""
+    vocab = scaled.shape[-1]
     ids = jnp.broadcast_to(jnp.arange(vocab, dtype=jnp.int32), scaled.shape)
     top = jnp.max(scaled, axis=-1, keepdims=True)
     gap = scaled - top  # log(p / p_max), <= 0

@@ -31,6 +31,10 @@ OpenAI-compatible server, with vLLM's benchmark semantics.
   ``scripts/side_venv.sh``), the same client against ``vllm serve`` on the same checkpoint and
   dtype; otherwise it is skipped and the JSON says why (``vllm.reason``).
   ``sustained_rate_ratio_vs_vllm`` is ours / vLLM's sustained rate (null without vLLM).
+  Both servers are up at once and every rate runs against one, then the other, the order
+  rotating by rate (``--order interleaved``, the default; ``sequential`` runs our whole sweep
+  first): this VM's speed drifts by tens of percent over the ~40 min of two sweeps, and
+  interleaving lets the drift move both sides alike instead of biasing the ratio.
 
 Headline: ``sustained_rate_ratio_vs_vllm``, ``sustained_rate``, ``server_overhead_ms_p50``,
 ``ttft_p50_s_at_rate_1``, ``normalized_latency_s_at_max_rate``, ``goodput_at_max_rate``,
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -280,11 +285,11 @@ def failure_log(text: str, keep: int = 120) -> dict:
     return {"lines": len(lines), "error_lines": list(dict.fromkeys(errors))[:60], "last_lines": lines[-keep:]}
 
 
-def sweep(command: list[str], rates, requests, burstiness: float, slo: tuple[float, float],
-          env: dict | None = None, start_timeout: float = 600, during=None) -> dict:
-    """Start a server, warm it with four requests, run every rate; per rate the summary and
-    the raw per-request results; ``during(url, pid)``, if given, runs after the rates (its result
-    under "during")."""
+@contextlib.contextmanager
+def started(command: list[str], env: dict | None = None, start_timeout: float = 600):
+    """A server from ``command``, healthy and warmed with four requests (compiles on first
+    use): yields (url, pid); stopped (SIGTERM) on exit. ``ServerFailed`` (with its log) if it
+    never became healthy."""
     port = int(command[command.index("--port") + 1])
     url = f"http://127.0.0.1:{port}"
     if not _port_free(port):
@@ -297,26 +302,84 @@ def sweep(command: list[str], rates, requests, burstiness: float, slo: tuple[flo
         except (RuntimeError, TimeoutError) as e:
             log.seek(0)
             raise ServerFailed(str(e), failure_log(log.read())) from None
-        asyncio.run(_run(url, requests[:4], np.zeros(4)))  # warm-up (compiles on first use)
-        out = {}
-        load_before = os.getloadavg()
-        for rate in rates:
-            times = arrival_times(len(requests), rate, burstiness, seed=1)
-            results, duration = asyncio.run(_run(url, requests, times))
-            out[str(rate)] = {"summary": summarise(results, duration, *slo), "results": results}
-            s = out[str(rate)]["summary"]
-            print(f"  rate {rate:>6}: {s.get('completed', 0):>3} ok, norm {s.get('normalized_latency_mean_s', 0):.4f} "
-                  f"s/tok, ttft p50 {s.get('ttft_p50_s', 0):.3f} s, tpot p50 {s.get('tpot_p50_s', 0) * 1e3:.1f} ms, "
-                  f"{s.get('output_tokens_per_s', 0):.0f} tok/s")
-        load_after = os.getloadavg()
-        out["loadavg"] = {"before": list(load_before), "after": list(load_after)}
-        print(f"  load average (1, 5, 15 min) before the rates {_load(load_before)}, after {_load(load_after)}")
-        if during is not None:
-            out["during"] = during(url, proc.pid)
-        return out
+        yield url, proc.pid
     finally:
         _stop(proc)
         log.close()
+
+
+def rate_pass(url: str, rate: float, requests, burstiness: float, slo: tuple[float, float], label: str = "") -> dict:
+    """Every request at ``rate`` (seeded gamma arrivals) against the server at ``url``:
+    {"summary", "results"}."""
+    times = arrival_times(len(requests), rate, burstiness, seed=1)
+    results, duration = asyncio.run(_run(url, requests, times))
+    s = summarise(results, duration, *slo)
+    print(f"  {label}rate {rate:>6}: {s.get('completed', 0):>3} ok, norm {s.get('normalized_latency_mean_s', 0):.4f} "
+          f"s/tok, ttft p50 {s.get('ttft_p50_s', 0):.3f} s, tpot p50 {s.get('tpot_p50_s', 0) * 1e3:.1f} ms, "
+          f"{s.get('output_tokens_per_s', 0):.0f} tok/s")
+    return {"summary": s, "results": results}
+
+
+def sweeps(servers: dict, rates, requests, burstiness: float, slo: tuple[float, float], during: dict | None = None,
+           ) -> dict:
+    """Every rate against every server in ``servers`` ({name: {"command", "env",
+    "start_timeout"}}), all up at once and **interleaved**: at each rate each server runs in
+    turn, the order rotating from one rate to the next, so a machine whose speed drifts over
+    the minutes of a sweep (a shared VM's does) moves both sides alike instead of whichever ran
+    second. A server that is up but not being measured is idle; its CPU seconds during the
+    other's pass are recorded (``idle_cpu_s``) to show it took nothing. After the rates the
+    servers without a ``during`` hook stop, then ``during[name](url, pid)`` runs on each
+    remaining one alone (its result under "during").
+
+    Returns {name: {rate: {"summary", "results"}, "loadavg": ..., ["during": ...]}} or, for a
+    server that never became healthy, {name: ServerFailed}."""
+    during = during or {}
+    out: dict = {}
+    with contextlib.ExitStack() as stack:
+        up = {}
+        for name, spec in servers.items():
+            try:
+                server = stack.enter_context(contextlib.ExitStack())
+                up[name] = (server, *server.enter_context(started(spec["command"], spec.get("env"),
+                                                                  spec.get("start_timeout", 600))))
+            except ServerFailed as e:
+                out[name] = e
+                continue
+            asyncio.run(_run(up[name][1], requests[:4], np.zeros(4)))  # warm-up (compiles on first use)
+            out[name] = {}
+        names = list(up)
+        load_before = os.getloadavg()
+        for i, rate in enumerate(rates):
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                others = {o: process_cpu_s(up[o][2]) for o in names if o != name}
+                entry = rate_pass(up[name][1], rate, requests, burstiness, slo,
+                                  label=f"{name:<5} " if len(names) > 1 else "")
+                after = {o: process_cpu_s(up[o][2]) for o in others}
+                idle = {o: after[o] - c for o, c in others.items() if c is not None and after[o] is not None}
+                if idle:
+                    entry["summary"]["idle_cpu_s"] = idle
+                out[name][str(rate)] = entry
+        load_after = os.getloadavg()
+        print(f"  load average (1, 5, 15 min) before the rates {_load(load_before)}, after {_load(load_after)}")
+        for name in names:
+            out[name]["loadavg"] = {"before": list(load_before), "after": list(load_after)}
+            if name not in during:
+                up[name][0].close()
+        for name in names:
+            if name in during:
+                out[name]["during"] = during[name](up[name][1], up[name][2])
+    return out
+
+
+def sweep(command: list[str], rates, requests, burstiness: float, slo: tuple[float, float],
+          env: dict | None = None, start_timeout: float = 600, during=None) -> dict:
+    """``sweeps`` with one server: {rate: ..., "loadavg": ..., ["during": ...]}; raises
+    ``ServerFailed`` if it never became healthy."""
+    got = sweeps({"one": {"command": command, "env": env, "start_timeout": start_timeout}}, rates, requests,
+                 burstiness, slo, during={"one": during} if during else None)["one"]
+    if isinstance(got, ServerFailed):
+        raise got
+    return got
 
 
 def engine_alone(model: str, options: dict, requests):
@@ -578,6 +641,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--layer-loop", choices=LAYER_LOOP_CHOICES, default="auto",
                    help="our engine's layer_loop (auto: unrolled on one CPU device, faster fp32 steps at "
                         "a longer compile; scan: one layer body)")
+    p.add_argument("--order", choices=("interleaved", "sequential"), default="interleaved",
+                   help="interleaved: both servers up at once, each rate run against one then the other (the "
+                        "order rotating by rate), so the machine's drift moves both alike; sequential: our "
+                        "whole sweep, then vLLM's")
     p.add_argument("--overhead-only", action="store_true",
                    help="only the paired per-request overhead on --overhead-model (its own server; no rates, "
                         "no vLLM): the A/B measurement of server changes; JSON serving_overhead.json")
@@ -611,9 +678,22 @@ def main(argv: list[str] | None = None) -> dict:
             got["bench"] = vllm_bench_client(vllm_python, url, args.model, requests, bench_rates, args.burstiness, slo)
         return got
 
-    print("paged_jax server:")
-    ours = sweep(ours_command(args.model, _free_port(), options, args.engine), rates, requests, args.burstiness, slo,
-                 during=during_ours)
+    servers = {"ours": {"command": ours_command(args.model, _free_port(), options, args.engine)}}
+    if vllm_python is not None:
+        servers["vllm"] = {"command": vllm_command(vllm_python, args.model, _free_port(), options),
+                           "env": {"VLLM_CPU_KVCACHE_SPACE": "4"}, "start_timeout": 900}
+    if args.order == "interleaved":
+        print("paged_jax" + (f" and vLLM {vllm_info}" if vllm_python else "") + " servers, interleaved by rate:")
+        swept = sweeps(servers, rates, requests, args.burstiness, slo, during={"ours": during_ours})
+    else:
+        swept = {}
+        for name, spec in servers.items():
+            print("paged_jax server:" if name == "ours" else f"vLLM {vllm_info} server:")
+            swept.update(sweeps({name: spec}, rates, requests, args.burstiness, slo,
+                                during={"ours": during_ours} if name == "ours" else None))
+    ours = swept["ours"]
+    if isinstance(ours, ServerFailed):
+        raise ours
     got = ours.pop("during")
     load = {"ours": ours.pop("loadavg")}
     bench = got.get("bench")
@@ -632,16 +712,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     vllm = {"ran": False, "reason": vllm_info}
     if vllm_python is not None:
-        print(f"vLLM {vllm_info} server:")
-        try:
-            vllm = {"ran": True, "version": vllm_info,
-                    "by_rate": sweep(vllm_command(vllm_python, args.model, _free_port(), options), rates, requests,
-                                     args.burstiness, slo, env={"VLLM_CPU_KVCACHE_SPACE": "4"}, start_timeout=900)}
-            load["vllm"] = vllm["by_rate"].pop("loadavg")
-        except ServerFailed as e:
+        if isinstance(swept["vllm"], ServerFailed):
+            e = swept["vllm"]
             first = next((line for line in e.log["error_lines"] if "Error" in line), "")
             vllm = {"ran": False, "reason": f"vLLM {vllm_info} did not serve {shown_path(args.model)}: {e}"
                                             + (f"; first error: {first}" if first else ""), "log": e.log}
+        else:
+            vllm = {"ran": True, "version": vllm_info, "by_rate": swept["vllm"]}
+            load["vllm"] = vllm["by_rate"].pop("loadavg")
     print(f"vLLM: {vllm['reason']}" if not vllm["ran"] else "vLLM: ran")
 
     ours_sustained = sustained(ours, args.latency_bound)
@@ -703,7 +781,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": machine_info(),
         "config": {"model": shown_path(args.model), "quick": quick, "num_prompts": num, "rates": rates,
                    "burstiness": args.burstiness, "slo_ttft_s": slo[0], "slo_tpot_s": slo[1],
-                   "engine_options": options, "server_engine": args.engine,
+                   "engine_options": options, "server_engine": args.engine, "order": args.order,
                    "output_tokens": [m for _, m in requests], "client": CLIENT},
         "ours": strip(ours),
         "vllm": {**vllm, "by_rate": strip(vllm["by_rate"])} if vllm["ran"] else vllm,

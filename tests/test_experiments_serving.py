@@ -106,3 +106,36 @@ def test_quick_run_writes_its_headline(tmp_path):
     assert all(v["summary"]["completed"] == 4 for v in result["ours"].values())
     assert h["ttft_p50_s_at_rate_1"] > 0 and result["server_overhead"]["pairs"] == 4
     assert json.loads((tmp_path / "serving.json").read_text())["headline"] == json.loads(json.dumps(h))
+
+
+def test_sweeps_interleave_the_servers_by_rate(monkeypatch):
+    """Each rate runs against every server in turn, the order rotating by rate; a server that
+    never started is reported, not fatal; the ones without a ``during`` hook stop before it runs."""
+    import contextlib
+    import os
+
+    events = []
+
+    @contextlib.contextmanager
+    def fake_started(command, env=None, start_timeout=600):
+        if command[0] == "broken":
+            raise serving.ServerFailed("never healthy", {"error_lines": []})
+        events.append(("up", command[0]))
+        yield command[0], os.getpid()
+        events.append(("down", command[0]))
+
+    async def no_requests(url, requests, times):
+        return [], 0.0
+
+    monkeypatch.setattr(serving, "started", fake_started)
+    monkeypatch.setattr(serving, "_run", no_requests)
+    monkeypatch.setattr(serving, "rate_pass", lambda url, rate, *a, **k: events.append((url, rate)) or {"summary": {}})
+    servers = {name: {"command": [name, "--port", "1"]} for name in ("ours", "vllm", "broken")}
+    got = serving.sweeps(servers, [1.0, 2.0, 4.0], [("p", 8)] * 4, 1.0, (0.5, 0.05),
+                         during={"ours": lambda url, pid: events.append(("during", url)) or "measured"})
+    passes = [e for e in events if e[0] in ("ours", "vllm")]
+    assert passes == [("ours", 1.0), ("vllm", 1.0), ("vllm", 2.0), ("ours", 2.0), ("ours", 4.0), ("vllm", 4.0)]
+    assert isinstance(got["broken"], serving.ServerFailed)
+    assert events.index(("down", "vllm")) < events.index(("during", "ours")) < events.index(("down", "ours"))
+    assert got["ours"]["during"] == "measured" and set(got["vllm"]) == {"1.0", "2.0", "4.0", "loadavg"}
+    assert set(got["ours"]["2.0"]["summary"]["idle_cpu_s"]) == {"vllm"}

@@ -155,3 +155,37 @@ def test_streams_yield_what_their_output_kind_asks(llm, kind, placement):
     text = engine.metrics.render().decode()
     generated = sum(len(c.token_ids) for w in want for c in w.outputs)
     assert f"generation_tokens_total {float(generated)}" in text.replace("paged_jax:", "")
+
+
+def test_inline_request_read_during_a_step_joins_the_next_step(llm):
+    """A request whose bytes arrive during a step is read in the loop's next pass, where the
+    read queues its handler's task behind whatever that pass already holds; the turn waits one
+    pass (``InlineEngine._admit``) so that task submits before the next step, not the one after
+    (stepping first cost the request a whole step of TTFT). Emulated: after the second turn a
+    callback due before the next turn creates a task that submits a request, as uvicorn's read
+    creates the handler's task."""
+    engine = InlineEngine(llm)
+    seen, hooked = [], []
+    real_turn = engine.core.turn
+    long = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    async def body(engine):
+        loop = asyncio.get_running_loop()
+
+        def turn(commands):
+            seen.append([c[0] for c in commands])
+            got = real_turn(commands)
+            if len(seen) == 2:  # "bytes arrived during this step": read in the next pass
+                loop.call_at(loop.time() - 1, lambda: hooked.append(loop.create_task(submit_late())))
+            return got
+
+        async def submit_late():
+            return [out async for out in engine.submit([3, 4], GREEDY)]
+
+        engine.core.turn = turn
+        first = [out async for out in engine.submit([1, 2, 3], long)]
+        return first, await hooked[0]
+
+    (first, late), _ = _serve(lambda _: engine, llm, body)
+    assert late[-1].finished and first[-1].finished
+    assert seen[2] == ["add"], seen[:4]  # the very next turn took the late request's add

@@ -332,6 +332,10 @@ class InlineEngine(EngineClient):
     otherwise). As a task resumed from the ready queue, the step ran before the timers of its
     pass, so a keep-alive timeout could close a connection whose next request arrived during
     the step; the resets measured with aiohttp went away with ``server.KEEP_ALIVE_S``.
+    The turn's timer is armed one pass ahead (``_admit``): a request read in the pass that
+    ends with a turn has its handler task queued behind that turn, so stepping at once made
+    every request arriving during a step wait for the step after next (probes beside a
+    running stream on SmolLM2-135M: TTFT p50 170 -> 99 ms, vLLM 116 ms).
 
     Args:
       llm: the engine, used only from the loop's thread once ``start`` is called (from the
@@ -381,10 +385,17 @@ class InlineEngine(EngineClient):
             self._stopped.wait(timeout)
 
     def _arm(self) -> None:
-        """Schedule a turn (at most one at a time)."""
+        """Schedule a turn (at most one at a time), one loop pass away (``_admit``)."""
         if not self._armed and not self._stopped.is_set():
             self._armed = True
-            self._loop.call_at(self._loop.time(), self._turn)
+            self._loop.call_at(self._loop.time(), self._admit)
+
+    def _admit(self) -> None:
+        """Let one loop pass go by before the turn: a request read in this pass (it arrived
+        during the last step) has its handler's task queued behind this callback; that task
+        runs in the next pass, before the turn's timer fires there, so its request joins the
+        very next step rather than the one after (one step less TTFT)."""
+        self._loop.call_at(self._loop.time(), self._turn)
 
     def _turn(self) -> None:
         self._armed = False

@@ -173,6 +173,7 @@ def summarise(results: list[dict], duration: float, slo_ttft: float, slo_tpot: f
         "normalized_latency_mean_s": float(np.mean([r["normalized"] for r in ok])),
         "normalized_latency_p50_s": pct("normalized", 50),
         "goodput": good / duration, "slo_attainment": good / len(results),
+        **({"errors": sorted({r["error"] for r in results if not r["ok"]})[:3]} if len(ok) < len(results) else {}),
     }
 
 

@@ -28,6 +28,7 @@ def test_summary_figures():
            "normalized": 0.1, "sent": 0.0} for i in range(1, 5)]
     s = serving.summarise([*ok, {"ok": False, "error": "x", "sent": 0.0}], duration=2.0, slo_ttft=0.25, slo_tpot=0.05)
     assert (s["completed"], s["failed"]) == (4, 1) and s["goodput"] == 1.0 and s["slo_attainment"] == 0.4
+    assert s["errors"] == ["x"] and "errors" not in serving.summarise(ok, 2.0, 0.25, 0.05)  # why some failed
     assert s["output_tokens_per_s"] == 20 and s["normalized_latency_mean_s"] == pytest.approx(0.1)
 
 

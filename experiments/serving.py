@@ -467,10 +467,15 @@ def overhead_split(tokens: list[int], diff_s: list[float]) -> dict:
 
 
 def sustained(by_rate: dict, bound: float) -> float | None:
-    """The highest rate whose mean normalised latency is under ``bound`` with no failures."""
-    ok = [float(r) for r, v in by_rate.items() if v["summary"].get("failed", 1) == 0
-          and v["summary"]["normalized_latency_mean_s"] <= bound]
-    return max(ok) if ok else None
+    """The highest swept rate up to which every rate's mean normalised latency is under
+    ``bound`` with no failures (a failed request counts as over the bound, as in
+    ``sustained_interpolated``, so the two agree on the grid); None if the lowest is over."""
+    best = None
+    for r, s in sorted((float(r), v["summary"]) for r, v in by_rate.items()):
+        if s.get("failed", 1) or not s.get("completed") or s["normalized_latency_mean_s"] > bound:
+            break
+        best = r
+    return best
 
 
 def sustained_interpolated(by_rate: dict, bound: float) -> float | None:

@@ -140,3 +140,16 @@ def test_sweeps_interleave_the_servers_by_rate(monkeypatch):
     assert events.index(("down", "vllm")) < events.index(("during", "ours")) < events.index(("down", "ours"))
     assert got["ours"]["during"] == "measured" and set(got["vllm"]) == {"1.0", "2.0", "4.0", "loadavg"}
     assert set(got["ours"]["2.0"]["summary"]["idle_cpu_s"]) == {"vllm"}
+
+
+def test_sustained_rates_agree_on_a_failed_request():
+    """A rate with a failed request counts as over the bound in both rules: the grid rate does
+    not skip past it to a higher rate that happened to pass."""
+    def row(lat, failed=0):
+        return {"summary": {"completed": 8, "failed": failed, "normalized_latency_mean_s": lat}}
+
+    clean = {"1.0": row(0.08), "2.0": row(0.10), "4.0": row(0.15), "8.0": row(0.60)}
+    assert serving.sustained(clean, 0.2) == 4.0 and 4.0 < serving.sustained_interpolated(clean, 0.2) < 8.0
+    failed = {**clean, "2.0": row(0.09, failed=1)}
+    assert serving.sustained(failed, 0.2) == 1.0 == serving.sustained_interpolated(failed, 0.2)
+    assert serving.sustained({"1.0": row(0.3)}, 0.2) is None is serving.sustained_interpolated({"1.0": row(0.3)}, 0.2)

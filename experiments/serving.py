@@ -337,38 +337,39 @@ def sweeps(servers: dict, rates, requests, burstiness: float, slo: tuple[float, 
     during = during or {}
     out: dict = {}
     with contextlib.ExitStack() as stack:
-        up = {}
+        up = {}  # name -> (its own exit stack, url, pid): each can stop before the others
         for name, spec in servers.items():
+            own = stack.enter_context(contextlib.ExitStack())
             try:
-                server = stack.enter_context(contextlib.ExitStack())
-                up[name] = (server, *server.enter_context(started(spec["command"], spec.get("env"),
-                                                                  spec.get("start_timeout", 600))))
+                url, pid = own.enter_context(started(spec["command"], spec.get("env"), spec.get("start_timeout", 600)))
             except ServerFailed as e:
                 out[name] = e
                 continue
-            asyncio.run(_run(up[name][1], requests[:4], np.zeros(4)))  # warm-up (compiles on first use)
+            up[name] = (own, url, pid)
+            asyncio.run(_run(url, requests[:4], np.zeros(4)))  # warm-up (compiles on first use)
             out[name] = {}
         names = list(up)
         load_before = os.getloadavg()
         for i, rate in enumerate(rates):
             for name in names[i % len(names):] + names[:i % len(names)]:
-                others = {o: process_cpu_s(up[o][2]) for o in names if o != name}
+                idle_pids = {o: up[o][2] for o in names if o != name}
+                before = {o: process_cpu_s(pid) for o, pid in idle_pids.items()}
                 entry = rate_pass(up[name][1], rate, requests, burstiness, slo,
                                   label=f"{name:<5} " if len(names) > 1 else "")
-                after = {o: process_cpu_s(up[o][2]) for o in others}
-                idle = {o: after[o] - c for o, c in others.items() if c is not None and after[o] is not None}
+                after = {o: process_cpu_s(pid) for o, pid in idle_pids.items()}
+                idle = {o: after[o] - before[o] for o in idle_pids if before[o] is not None and after[o] is not None}
                 if idle:
                     entry["summary"]["idle_cpu_s"] = idle
                 out[name][str(rate)] = entry
         load_after = os.getloadavg()
         print(f"  load average (1, 5, 15 min) before the rates {_load(load_before)}, after {_load(load_after)}")
-        for name in names:
+        for name, (own, _, _) in up.items():
             out[name]["loadavg"] = {"before": list(load_before), "after": list(load_after)}
             if name not in during:
-                up[name][0].close()
-        for name in names:
+                own.close()
+        for name, (_, url, pid) in up.items():
             if name in during:
-                out[name]["during"] = during[name](up[name][1], up[name][2])
+                out[name]["during"] = during[name](url, pid)
     return out
 
 
